@@ -1,0 +1,221 @@
+// qkv/mask.hpp — the one place that decides whether query i may see key j, and which key tiles a query
+// tile must visit.
+//
+// Every backend asks this header and nothing else: `MaskGeometry` holds the index rules of one sequence
+// (key padding, causal diagonal, sliding window, global tokens), `HeadMask` adds the data-dependent parts of
+// one (sequence, query head) — the `allowed` and `bias` slices, ALiBi, scale and softcap — and turns a dot
+// product q·k into the score the softmax sees.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "qkv/config.hpp"
+#include "qkv/options.hpp"
+#include "qkv/tensor_view.hpp"
+
+namespace qkv {
+
+/// Half-open range of key indices [begin, end); empty when end <= begin.
+struct KeyRange {
+  Index begin = 0;
+  Index end = 0;
+  bool empty() const noexcept { return end <= begin; }
+};
+
+/// How much of a (query tile × key tile) block the index rules let through.
+enum class TileVisibility {
+  hidden,   ///< no (i, j) of the tile is visible: the tile is skipped
+  partial,  ///< some are: the tile is masked element by element (a boundary tile)
+  full      ///< all are: the tile needs no index mask (`allowed` and `bias` may still hide keys)
+};
+
+/// The index rules of one sequence with `sq` queries and `skv` keys (Skv_b: the key count after padding).
+///
+///     diag(i) = i + diag_offset          diag_offset = skv − sq (bottom_right) or 0 (top_left)
+///     visible(i, j) = 0 ≤ j < skv
+///                     and (not causal or j ≤ diag(i))
+///                     and (j < global_tokens
+///                          or ((window_left < 0 or j ≥ diag(i) − window_left)
+///                              and (window_right < 0 or j ≤ diag(i) + window_right)))
+///
+/// Example: sq = 2, skv = 4, causal. bottom_right: diag = (2, 3), query 0 sees keys 0..2 and query 1 all four
+/// (decoding: the newest query sees the whole cache). top_left: diag = (0, 1).
+///
+/// The visible keys of a query are the union of two intervals, the band around the diagonal and the global
+/// prefix; both move right (never left) as i grows, which is what `key_range` and `classify` rely on.
+struct MaskGeometry {
+  Index sq = 0;
+  Index skv = 0;
+  Index diag_offset = 0;
+  bool causal = false;
+  Index window_left = -1;
+  Index window_right = -1;
+  Index global_tokens = 0;
+
+  /// The geometry `options` give a sequence of `sq` queries and `skv` keys.
+  template <class T>
+  static MaskGeometry make(Index sq, Index skv, const AttentionOptions<T>& options) noexcept {
+    MaskGeometry g;
+    g.sq = sq;
+    g.skv = skv;
+    g.diag_offset = options.alignment == CausalAlignment::bottom_right ? skv - sq : 0;
+    g.causal = options.causal;
+    g.window_left = options.window_left;
+    g.window_right = options.window_right;
+    g.global_tokens = options.global_tokens;
+    return g;
+  }
+
+  Index diag(Index i) const noexcept { return i + diag_offset; }
+
+  /// Whether the index rules let query i see key j.
+  bool visible(Index i, Index j) const noexcept {
+    if (j < 0 || j >= skv) return false;
+    const Index d = diag(i);
+    if (causal && j > d) return false;
+    if (j < global_tokens) return true;
+    if (window_left >= 0 && j < d - window_left) return false;
+    if (window_right >= 0 && j > d + window_right) return false;
+    return true;
+  }
+
+  /// The band of query i: the keys the causal and window rules let through, clipped to [0, skv).
+  KeyRange band(Index i) const noexcept {
+    const Index d = diag(i);
+    const Index begin = std::min(skv, window_left >= 0 ? std::max<Index>(0, d - window_left) : Index(0));
+    return {begin, std::max(begin, band_end(i))};
+  }
+
+  /// The global keys query i sees: [0, min(global_tokens, skv, diag(i) + 1 if causal)).
+  KeyRange global(Index i) const noexcept {
+    Index end = std::min(global_tokens, skv);
+    if (causal) end = std::min(end, diag(i) + 1);
+    return {0, std::max<Index>(0, end)};
+  }
+
+  /// The smallest key range that holds every key some query in [i_begin, i_end) may see (a bound, tight
+  /// unless every band in between is empty). Tiles of keys outside it are never visited (FlashAttention's
+  /// n_block_min / n_block_max). Empty for an empty query range.
+  KeyRange key_range(Index i_begin, Index i_end) const noexcept {
+    if (i_end <= i_begin) return {0, 0};
+    // Band begins and ends, and the global prefix, all move right as i grows.
+    Index begin = band(i_begin).begin;
+    Index end = std::max<Index>(0, band_end(i_end - 1));
+    const KeyRange global_last = global(i_end - 1);
+    if (!global_last.empty()) {
+      begin = 0;
+      end = std::max(end, global_last.end);
+    }
+    if (end <= begin) return {0, 0};
+    return {begin, end};
+  }
+
+  /// Classifies the tile of queries [i_begin, i_end) × keys [j_begin, j_end) (both non-empty).
+  TileVisibility classify(Index i_begin, Index i_end, Index j_begin, Index j_end) const noexcept {
+    QKV_ASSERT(i_begin < i_end && j_begin < j_end);
+    const Index j_last = std::min(j_end, skv) - 1;  // last key that padding lets through
+    if (j_begin > j_last) return TileVisibility::hidden;
+    constexpr Index kUnbounded = std::numeric_limits<Index>::max() / 4;
+    // The band is lo <= j - i <= hi; every integer j - i between the tile's extremes occurs in the tile.
+    const Index lo = window_left >= 0 ? diag_offset - window_left : -kUnbounded;
+    Index hi = kUnbounded;
+    if (causal) hi = std::min(hi, diag_offset);
+    if (window_right >= 0) hi = std::min(hi, diag_offset + window_right);
+    const Index d_min = j_begin - (i_end - 1), d_max = j_last - i_begin;
+    const bool band_hits = d_max >= lo && d_min <= hi && lo <= hi;
+    const bool global_hits = j_begin < global_tokens && (!causal || j_begin <= diag(i_end - 1));
+    if (!band_hits && !global_hits) return TileVisibility::hidden;
+    if (j_end > skv) return TileVisibility::partial;
+    if (causal && j_end - 1 - i_begin > diag_offset) return TileVisibility::partial;
+    const Index j_windowed = std::max(j_begin, global_tokens);  // first key the window applies to
+    if (j_windowed < j_end) {
+      if (window_left >= 0 && j_windowed - (i_end - 1) < diag_offset - window_left) return TileVisibility::partial;
+      if (window_right >= 0 && j_end - 1 - i_begin > diag_offset + window_right) return TileVisibility::partial;
+    }
+    return TileVisibility::full;
+  }
+
+ private:
+  /// End of query i's band before clipping at its begin (may be ≤ 0).
+  Index band_end(Index i) const noexcept {
+    const Index d = diag(i);
+    Index end = skv;
+    if (causal) end = std::min(end, d + 1);
+    if (window_right >= 0) end = std::min(end, d + window_right + 1);
+    return end;
+  }
+};
+
+/// Resolves `options.scale`: the explicit value, or 1/√D (seed 000 定理 2.4.1: the variance of q·k is D for
+/// unit-variance components, so this brings the scores back to unit variance).
+template <class T>
+T resolve_scale(const AttentionOptions<T>& options, Index D) noexcept {
+  return options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(D));
+}
+
+/// Everything that turns a dot product into a score, and decides visibility, for one (sequence, query head).
+/// Built by the core entry point after validation; the views it points into outlive it.
+template <class T>
+struct HeadMask {
+  MaskGeometry geometry;
+  T scale = T(1);
+  T softcap = T(0);
+  const bool* allowed = nullptr;  ///< row i of this head's `allowed` slice starts at allowed + i·allowed_row_stride
+  Index allowed_row_stride = 0;   ///< 0 when the Sq axis broadcasts
+  const T* bias = nullptr;        ///< same layout as `allowed`
+  Index bias_row_stride = 0;
+  T alibi_slope = T(0);
+  bool has_alibi = false;
+
+  /// Builds the mask of query head `h` of batch entry `b` from validated options (no varlen row offset:
+  /// `allowed` and `bias` are not combinable with varlen).
+  static HeadMask make(const AttentionOptions<T>& options, Index b, Index h, Index sq, Index skv,
+                       Index D) noexcept {
+    HeadMask m;
+    m.geometry = MaskGeometry::make(sq, skv, options);
+    m.scale = resolve_scale(options, D);
+    m.softcap = options.softcap;
+    if (options.allowed.data() != nullptr) {
+      const auto& a = options.allowed;
+      m.allowed = a.data() + (a.extent(0) > 1 ? b * a.stride(0) : 0) + (a.extent(1) > 1 ? h * a.stride(1) : 0);
+      m.allowed_row_stride = a.extent(2) > 1 ? a.stride(2) : 0;
+    }
+    if (options.bias.data() != nullptr) {
+      const auto& a = options.bias;
+      m.bias = a.data() + (a.extent(0) > 1 ? b * a.stride(0) : 0) + (a.extent(1) > 1 ? h * a.stride(1) : 0);
+      m.bias_row_stride = a.extent(2) > 1 ? a.stride(2) : 0;
+    }
+    if (!options.alibi_slopes.empty()) {
+      m.alibi_slope = options.alibi_slopes[static_cast<std::size_t>(h)];
+      m.has_alibi = true;
+    }
+    return m;
+  }
+
+  /// Whether query i may see key j before its score is known: the index rules, `allowed`, and a −∞ bias
+  /// (decided from the bias alone, so a NaN in k under a −∞ bias stays hidden).
+  bool visible(Index i, Index j) const noexcept {
+    if (!geometry.visible(i, j)) return false;
+    if (allowed != nullptr && !allowed[i * allowed_row_stride + j]) return false;
+    if (bias != nullptr && bias[i * bias_row_stride + j] == -std::numeric_limits<T>::infinity()) return false;
+    return true;
+  }
+
+  /// The score of a visible (i, j) from its dot product q_i·k_j, in the accumulation type `Acc`:
+  /// softcap(dot·scale) + bias_ij − alibi_slope·|diag(i) − j|.
+  template <class Acc>
+  Acc score(Acc dot, Index i, Index j) const noexcept {
+    Acc s = dot * static_cast<Acc>(scale);
+    if (softcap > T(0)) s = static_cast<Acc>(softcap) * std::tanh(s / static_cast<Acc>(softcap));
+    if (bias != nullptr) s += static_cast<Acc>(bias[i * bias_row_stride + j]);
+    if (has_alibi) {
+      const Index distance = geometry.diag(i) > j ? geometry.diag(i) - j : j - geometry.diag(i);
+      s -= static_cast<Acc>(alibi_slope) * static_cast<Acc>(distance);
+    }
+    return s;
+  }
+};
+
+}  // namespace qkv

@@ -1,0 +1,12 @@
+// qkv/qkv.hpp — the umbrella header: include this one.
+#pragma once
+
+#include "qkv/attention.hpp"
+#include "qkv/config.hpp"
+#include "qkv/errors.hpp"
+#include "qkv/mask.hpp"
+#include "qkv/options.hpp"
+#include "qkv/reference.hpp"
+#include "qkv/sdpa.hpp"
+#include "qkv/softmax.hpp"
+#include "qkv/tensor_view.hpp"

@@ -1,0 +1,191 @@
+// qkv/sdpa.hpp — Eigen-matrix entry points: one head, or heads packed side by side in the columns.
+//
+// Rows are tokens. A packed-heads matrix holds head h in columns [h·d, (h+1)·d), which is how a projection
+// X·W_q lays them out: Q (Tq × Hq·dk), K (Tk × Hkv·dk), V (Tk × Hkv·dv). The functions view these matrices as
+// [1, H, T, d] tensors (no copy for row-major inputs) and call `qkv::attention`.
+#pragma once
+
+#include <type_traits>
+
+#include "qkv/attention.hpp"
+#include "qkv/config.hpp"
+#include "qkv/errors.hpp"
+#include "qkv/options.hpp"
+#include "qkv/tensor_view.hpp"
+
+namespace qkv {
+
+/// Head counts of a packed-heads call. n_kv_heads = 0 means n_heads (multi-head attention); 1 is multi-query
+/// attention; anything dividing n_heads is grouped-query attention. Write `qkv::Heads{8, 2}`: a bare `{8, 2}`
+/// would also fit `AttentionOptions` and the call would be ambiguous.
+struct Heads {
+  Index n_heads = 1;
+  Index n_kv_heads = 0;
+};
+
+namespace detail {
+
+/// A row-major matrix with unit inner stride bound to any Eigen expression: row-major objects bind without a
+/// copy; column-major objects and expressions are evaluated into a row-major temporary owned by the Ref.
+template <class Scalar>
+using RowMajorRef = Eigen::Ref<const Matrix<Scalar>, 0, Eigen::OuterStride<>>;
+
+template <class Scalar>
+TensorView4<const Scalar> packed_view(const RowMajorRef<Scalar>& m, Index heads, Index head_dim) {
+  const Index ld = m.rows() > 1 ? m.outerStride() : m.cols();
+  return TensorView4<const Scalar>(m.data(), {1, heads, m.rows(), head_dim}, {m.rows() * ld, head_dim, ld, 1});
+}
+
+struct PackedShape {
+  Index Hq, Hkv, dk, dv;
+};
+
+inline PackedShape packed_shape(const char* function, Heads heads, Index q_cols, Index k_cols, Index k_rows,
+                                const Index* v_cols, const Index* v_rows) {
+  check_shape(heads.n_heads >= 1, function, ": Heads::n_heads is ", heads.n_heads, ", expected at least 1");
+  check_shape(heads.n_kv_heads >= 0, function, ": Heads::n_kv_heads is ", heads.n_kv_heads,
+              ", expected 0 (= n_heads) or at least 1");
+  PackedShape s;
+  s.Hq = heads.n_heads;
+  s.Hkv = heads.n_kv_heads == 0 ? heads.n_heads : heads.n_kv_heads;
+  check_shape(s.Hq % s.Hkv == 0, function, ": Heads::n_heads ", s.Hq, " is not a multiple of Heads::n_kv_heads ",
+              s.Hkv);
+  check_shape(q_cols % s.Hq == 0, function, ": Q has ", q_cols, " columns, not a multiple of n_heads ", s.Hq);
+  s.dk = q_cols / s.Hq;
+  check_shape(k_cols == s.Hkv * s.dk, function, ": K has ", k_cols, " columns, expected ", s.Hkv * s.dk,
+              " (n_kv_heads ", s.Hkv, " × head_dim ", s.dk, " from Q)");
+  s.dv = 0;
+  if (v_cols != nullptr) {
+    check_shape(*v_rows == k_rows, function, ": V has ", *v_rows, " rows, expected ", k_rows, " (the rows of K)");
+    check_shape(*v_cols % s.Hkv == 0, function, ": V has ", *v_cols, " columns, not a multiple of n_kv_heads ",
+                s.Hkv);
+    s.dv = *v_cols / s.Hkv;
+  }
+  return s;
+}
+
+template <class DQ, class DK, class DV>
+constexpr void check_scalars() {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "qkv: the scalar type must be float or double");
+  static_assert(std::is_same_v<Scalar, typename DK::Scalar> && std::is_same_v<Scalar, typename DV::Scalar>,
+                "qkv: Q, K and V must have the same scalar type");
+}
+
+template <class Scalar>
+Matrix<Scalar> sdpa_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Scalar>& k,
+                           const RowMajorRef<Scalar>& v, Heads heads, const AttentionOptions<Scalar>& options) {
+  const Index v_cols = v.cols(), v_rows = v.rows();
+  const PackedShape s = packed_shape(function, heads, q.cols(), k.cols(), k.rows(), &v_cols, &v_rows);
+  Matrix<Scalar> out(q.rows(), s.Hq * s.dv);
+  const Index ld = out.cols();
+  TensorView4<Scalar> out_view(out.data(), {1, s.Hq, q.rows(), s.dv}, {q.rows() * ld, s.dv, ld, 1});
+  attention_impl<Scalar>(function, packed_view(q, s.Hq, s.dk), packed_view(k, s.Hkv, s.dk),
+                         packed_view(v, s.Hkv, s.dv), out_view, nullptr, options);
+  return out;
+}
+
+template <class Scalar>
+Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Scalar>& k,
+                              Heads heads, Index head, const AttentionOptions<Scalar>& options) {
+  const PackedShape s = packed_shape(function, heads, q.cols(), k.cols(), k.rows(), nullptr, nullptr);
+  check_shape(head >= 0 && head < s.Hq, function, ": head is ", head, ", expected an index in [0, ", s.Hq, ")");
+  const TensorView4<const Scalar> q_view = packed_view(q, s.Hq, s.dk), k_view = packed_view(k, s.Hkv, s.dk);
+  const AttentionShape shape = validate<Scalar>(function, q_view, k_view, nullptr, nullptr, nullptr, options);
+  check_backend(function, options);
+  const SequenceRows all_q{0, q.rows()}, all_k{0, k.rows()};
+  Matrix<Scalar> weights = Matrix<Scalar>::Zero(q.rows(), k.rows());
+  const Index h_kv = head / shape.group;
+  reference::AccMatrix p;
+  reference::AccVector lse;
+  const double sink = options.sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                            : static_cast<double>(options.sinks[static_cast<std::size_t>(head)]);
+  for (Index b = 0; b < shape.n_sequences; ++b) {
+    const std::size_t s_b = static_cast<std::size_t>(b);
+    const SequenceRows q_rows = shape.varlen ? shape.q_rows[s_b] : all_q;
+    const SequenceRows kv_rows = shape.varlen ? shape.kv_rows[s_b] : all_k;
+    const HeadMask<Scalar> mask = HeadMask<Scalar>::make(options, 0, head, q_rows.length, shape.key_counts[s_b], s.dk);
+    reference::head_weights(rows_of(q_view, 0, head, q_rows), rows_of(k_view, 0, h_kv, kv_rows), mask, sink, p, lse);
+    weights.block(q_rows.begin, kv_rows.begin, q_rows.length, kv_rows.length) = p.template cast<Scalar>();
+  }
+  return weights;
+}
+
+}  // namespace detail
+
+/// Scaled dot-product attention of one head: softmax(Q·Kᵀ·scale + masks)·V (seed 000 定义 2.4.1).
+///
+/// Shapes: Q Tq × dk, K Tk × dk, V Tk × dv → Tq × dv. Any Eigen expression of float or double binds; row-major
+/// objects are read in place, column-major ones and expressions are first copied into a row-major temporary
+/// (a documented O(size) cost). Options as `AttentionOptions` (B = 1: `key_lengths` has one entry, `allowed`
+/// and `bias` are Tq × Tk row-major matrices or broadcast views). Default scale 1/√dk; causal alignment is
+/// bottom-right (PyTorch's `is_causal` is top-left). Edge cases, errors and accuracy as `qkv::attention`.
+/// Throws: shape_error (e.g. K with a different column count than Q), unsupported_error.
+/// Complexity: O(Tq·Tk·(dk + dv)); allocates the result and, on the reference backend, O(Tq·Tk).
+/// Example (seed 000 例 2.4.1; examples/worked_example.cpp):
+///
+///     qkv::Matrix<double> Q(3, 2), K(3, 2), V(3, 2);
+///     Q << 1, 0, 0, 1, 1, 1;  K = Q;  V << 1, 2, 3, 4, 5, 6;
+///     qkv::Matrix<double> O = qkv::scaled_dot_product_attention(Q, K, V);  // O ≈ [3 4; 3.407 4.407; 3.510 4.510]
+///
+/// Source: Vaswani et al. 2017; seed 000 §2.4 (定义 2.4.1, 例 2.4.1); PyTorch's scaled_dot_product_attention.
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> scaled_dot_product_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
+  detail::check_scalars<DQ, DK, DV>();
+  using Scalar = typename DQ::Scalar;
+  return detail::sdpa_packed<Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(),
+                                     Heads{1, 1}, options);
+}
+
+/// Packed multi-head attention with GQA/MQA: head h of Q (columns [h·dk, (h+1)·dk)) attends with key/value head
+/// h / (Hq / Hkv) of K and V (seed 000 §2.4.6, GQA / MQA; seed 002 §4).
+///
+/// Shapes: Q Tq × Hq·dk, K Tk × Hkv·dk, V Tk × Hkv·dv → Tq × Hq·dv, head h of the output in columns
+/// [h·dv, (h+1)·dv) (the concatenation that W_o multiplies). Hq = heads.n_heads, Hkv = heads.n_kv_heads (0 = Hq).
+/// `alibi_slopes` and `sinks` have Hq entries; `allowed` and `bias` may be [1, Hq or 1, Tq or 1, Tk] views.
+/// Throws: shape_error when Q's columns are not a multiple of Hq, K's are not Hkv·dk, V's not a multiple of
+/// Hkv, Hq % Hkv ≠ 0, or as `qkv::attention`. Complexity: O(Hq·Tq·Tk·(dk + dv)).
+/// Example: `qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{32, 8})` (Llama-style GQA).
+/// Source: PyTorch's scaled_dot_product_attention(enable_gqa=True) head mapping; Ainslie et al. 2023 (GQA).
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> scaled_dot_product_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, Heads heads,
+    const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
+  detail::check_scalars<DQ, DK, DV>();
+  using Scalar = typename DQ::Scalar;
+  return detail::sdpa_packed<Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(),
+                                     heads, options);
+}
+
+/// The attention weights P (Tq × Tk) of one head, for inspection (seed 000 §2.4.7): row i is the softmax of
+/// query i's scores over the visible keys, exactly 0 at hidden keys; visible rows sum to 1 (1 − p_sink with
+/// `sinks`); a row that sees no key is all zeros.
+///
+/// Shapes: Q Tq × dk, K Tk × dk. Computed by the reference path in double whatever `backend` says (only an
+/// explicit `Backend::fused` is refused, with unsupported_error, until it can return weights).
+/// Throws: shape_error as `scaled_dot_product_attention`. Complexity O(Tq·Tk·dk); allocates O(Tq·Tk).
+/// Source: seed 000 例 2.4.1 step (3); PyTorch's `need_weights`.
+template <class DQ, class DK>
+Matrix<typename DQ::Scalar> attention_weights(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
+  detail::check_scalars<DQ, DK, DK>();
+  using Scalar = typename DQ::Scalar;
+  return detail::weights_packed<Scalar>("qkv::attention_weights", Q.derived(), K.derived(), Heads{1, 1}, 0, options);
+}
+
+/// The weights of query head `head` of a packed-heads call (shapes as the packed
+/// `scaled_dot_product_attention`; key head head / (Hq / Hkv)). Throws shape_error for a head outside [0, Hq).
+template <class DQ, class DK>
+Matrix<typename DQ::Scalar> attention_weights(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, Heads heads, Index head,
+    const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
+  detail::check_scalars<DQ, DK, DK>();
+  using Scalar = typename DQ::Scalar;
+  return detail::weights_packed<Scalar>("qkv::attention_weights", Q.derived(), K.derived(), heads, head, options);
+}
+
+}  // namespace qkv
