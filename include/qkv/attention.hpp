@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "qkv/config.hpp"
+#include "qkv/detail/attention_shape.hpp"
+#include "qkv/detail/fused_attention.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/options.hpp"
@@ -25,36 +27,6 @@
 namespace qkv {
 namespace detail {
 
-/// Rows of sequence b: [begin, begin + length) of the view's S axis.
-struct SequenceRows {
-  Index begin = 0;
-  Index length = 0;
-};
-
-/// A validated attention call: the numbers every backend needs besides the views and options.
-struct AttentionShape {
-  Index n_sequences = 0;  ///< B, or the varlen sequence count
-  Index Hq = 0, Hkv = 0, group = 1, D = 0, Dv = 0;
-  bool varlen = false;
-  std::vector<SequenceRows> q_rows, kv_rows;  ///< per sequence (varlen), else one entry per batch entry
-  std::vector<Index> key_counts;              ///< Skv_b: visible key count per sequence (padding applied)
-};
-
-inline const char* axis_name(char argument, int axis) {
-  // Axis names of q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], out [B, Hq, Sq, Dv], lse [B, Hq, Sq].
-  static const char* const q_names[] = {"B", "Hq", "Sq", "D"};
-  static const char* const k_names[] = {"B", "Hkv", "Skv", "D"};
-  static const char* const v_names[] = {"B", "Hkv", "Skv", "Dv"};
-  static const char* const out_names[] = {"B", "Hq", "Sq", "Dv"};
-  switch (argument) {
-    case 'q': return q_names[axis];
-    case 'k': return k_names[axis];
-    case 'v': return v_names[axis];
-    case 'o': return out_names[axis];
-    default: return out_names[axis];
-  }
-}
-
 /// Checks what every view must satisfy: non-negative extents and strides, data where there are elements,
 /// innermost stride 1 (where the innermost extent exceeds 1).
 template <class T, int Rank>
@@ -63,6 +35,8 @@ void check_view(const char* function, const char* argument, const TensorView<T, 
   for (int axis = 0; axis < Rank; ++axis) {
     check_shape(view.extent(axis) >= 0, function, ": ", argument, " axis ", axis, " (", names[axis],
                 ") has negative extent ", view.extent(axis));
+  }
+  for (int axis = 0; axis < Rank; ++axis) {
     check_shape(view.stride(axis) >= 0, function, ": ", argument, " axis ", axis, " (", names[axis],
                 ") has negative stride ", view.stride(axis), "; reverse the data instead");
   }
@@ -285,13 +259,16 @@ auto rows_of(const TensorView4<T>& view, Index b, Index h, SequenceRows rows) {
   return slice(view, b, h).middleRows(rows.begin, rows.length);
 }
 
-/// Picks the backend; throws unsupported_error for an explicit `fused` (no fused kernel exists yet).
+/// Whether the fused kernel serves this call: `automatic` picks it for float, `fused` demands it (and throws
+/// unsupported_error for a scalar type without one: double stays on the reference path), `reference` never.
 template <class T>
-void check_backend(const char* function, const AttentionOptions<T>& options) {
-  if (options.backend == Backend::fused) {
-    raise<unsupported_error>(concat(function, ": Backend::fused is not available for this scalar type in this "
-                                              "version of qkv; use Backend::automatic or Backend::reference"));
+bool use_fused(const char* function, const AttentionOptions<T>& options) {
+  constexpr bool kHasFused = std::is_same_v<T, float>;
+  if (options.backend == Backend::fused && !kHasFused) {
+    raise<unsupported_error>(concat(function, ": Backend::fused exists for float only; double runs on "
+                                              "Backend::reference (or Backend::automatic)"));
   }
+  return kHasFused && options.backend != Backend::reference;
 }
 
 /// The reference backend over every (sequence, query head).
@@ -324,17 +301,31 @@ void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, c
   }
 }
 
+inline namespace QKV_ISA_NAME {
+
+/// Validates, picks the backend and runs the call. In the ISA-named inline namespace: its body depends on the
+/// build's ISA through the fused kernel (STYLE.md, ODR safety).
 template <class T>
 void attention_impl(const char* function, const TensorView4<const T>& q, const TensorView4<const T>& k,
                     const TensorView4<const T>& v, const TensorView4<T>& out, const TensorView3<T>* lse,
                     const AttentionOptions<T>& options) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "qkv: the scalar type must be float or double");
   const AttentionShape shape = validate(function, q, k, &v, &out, lse, options);
-  check_backend(function, options);
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_fused(function, options)) {
+      FusedAttention<simd::BestTag>(shape, q, k, v, out, lse, options).run();
+      return;
+    }
+  } else {
+    (void)use_fused(function, options);
+  }
   run_reference(shape, q, k, v, out, lse, options);
 }
 
+}  // namespace QKV_ISA_NAME
 }  // namespace detail
+
+inline namespace QKV_ISA_NAME {
 
 /// Scaled dot-product attention over strided views, all heads and batch entries at once.
 ///
@@ -354,9 +345,16 @@ void attention_impl(const char* function, const TensorView4<const T>& q, const T
 /// Throws: `shape_error` for any bad extent, stride, overlap or option (the message names the function, the
 ///   argument, the axis and both sizes); `unsupported_error` for `Backend::fused` where it does not exist.
 ///   Nothing is read or written when it throws.
-/// Complexity: O(B·Hq·Sq·Skv·(D + Dv)) time; the reference backend allocates O(Sq·Skv) per (sequence, head)
-///   in flight. With OpenMP, (sequence, query head) pairs run in parallel; results do not depend on the
-///   thread count.
+/// Backends: `automatic` runs the fused kernel (detail/fused_attention.hpp, FlashAttention-2 on the CPU) for
+///   float and the reference path (float64 accumulation, reference.hpp) for double; `fused` for double throws.
+///   The fused float output is within 2 × the error of a plain float implementation + 1e-6·max(1, max|V|) of
+///   float64; the reference path within 1e-6·max(1, max|V|).
+/// Complexity: O(B·Hq·Sq·Skv·(D + Dv)) time, about half that with causal masking and O(Sq·w) per head with a
+///   window of w keys on the fused path (hidden key tiles are never visited). Memory: the fused kernel allocates
+///   the size of K (packed once per call, except when decoding) and a few hundred KiB of scratch per thread,
+///   nothing of size Sq × Skv; the reference backend allocates O(Sq·Skv) per (sequence, head) in flight. With
+///   OpenMP, work is shared over (sequence, kv head, query tile, key chunk); results are bit-identical for any
+///   number of threads.
 /// Thread safety: concurrent calls are safe if their outputs do not overlap.
 /// Example: examples/worked_example.cpp (through the Eigen entry points), tests/test_reference.cpp.
 /// Source: Vaswani et al. 2017, seed 000 定义 2.4.1; masks and varlen as FlashAttention 2.
@@ -377,6 +375,8 @@ void attention(non_deduced_t<TensorView4<const T>> q, non_deduced_t<TensorView4<
                const AttentionOptions<T>& options = AttentionOptions<T>()) {
   detail::attention_impl<T>("qkv::attention", q, k, v, out, &lse, options);
 }
+
+}  // namespace QKV_ISA_NAME
 
 /// Combines attention computed over disjoint key sets of the same queries (split-K, key shards, ring
 /// attention), row by row:

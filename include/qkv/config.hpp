@@ -54,6 +54,16 @@
 #define QKV_ISA_NAME isa_scalar
 #endif
 
+/// Asks the compiler to unroll the next loop completely (a micro-kernel's row loop, so that its accumulators
+/// stay in registers; GCC 12 at -O2 otherwise keeps them on the stack).
+#if defined(__clang__)
+#define QKV_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define QKV_UNROLL _Pragma("GCC unroll 16")
+#else
+#define QKV_UNROLL
+#endif
+
 // Exceptions may be disabled (-fno-exceptions): public functions then print their message and abort.
 #if defined(__cpp_exceptions) || defined(__EXCEPTIONS)
 #define QKV_HAS_EXCEPTIONS 1

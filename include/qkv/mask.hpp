@@ -207,7 +207,13 @@ struct HeadMask {
   /// softcap(dot·scale) + bias_ij − alibi_slope·|diag(i) − j|.
   template <class Acc>
   Acc score(Acc dot, Index i, Index j) const noexcept {
-    Acc s = dot * static_cast<Acc>(scale);
+    return finish(dot * static_cast<Acc>(scale), i, j);
+  }
+
+  /// The score from an already scaled dot product (q_i·k_j·scale): softcap, then bias and ALiBi.
+  template <class Acc>
+  Acc finish(Acc scaled, Index i, Index j) const noexcept {
+    Acc s = scaled;
     if (softcap > T(0)) s = static_cast<Acc>(softcap) * std::tanh(s / static_cast<Acc>(softcap));
     if (bias != nullptr) s += static_cast<Acc>(bias[i * bias_row_stride + j]);
     if (has_alibi) {
@@ -216,6 +222,12 @@ struct HeadMask {
     }
     return s;
   }
+
+  /// Whether `finish` changes a scaled score (softcap, bias or ALiBi present).
+  bool modifies_scores() const noexcept { return softcap > T(0) || bias != nullptr || has_alibi; }
+
+  /// Whether visibility depends on data (`allowed` or `bias`), not only on the index rules.
+  bool has_data_mask() const noexcept { return allowed != nullptr || bias != nullptr; }
 };
 
 }  // namespace qkv

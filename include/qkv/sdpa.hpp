@@ -73,6 +73,8 @@ constexpr void check_scalars() {
                 "qkv: Q, K and V must have the same scalar type");
 }
 
+inline namespace QKV_ISA_NAME {  // these call the ISA-dependent core (STYLE.md, ODR safety)
+
 template <class Scalar>
 Matrix<Scalar> sdpa_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Scalar>& k,
                            const RowMajorRef<Scalar>& v, Heads heads, const AttentionOptions<Scalar>& options) {
@@ -93,7 +95,7 @@ Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q
   check_shape(head >= 0 && head < s.Hq, function, ": head is ", head, ", expected an index in [0, ", s.Hq, ")");
   const TensorView4<const Scalar> q_view = packed_view(q, s.Hq, s.dk), k_view = packed_view(k, s.Hkv, s.dk);
   const AttentionShape shape = validate<Scalar>(function, q_view, k_view, nullptr, nullptr, nullptr, options);
-  check_backend(function, options);
+  (void)use_fused(function, options);  // weights come from the reference path; this only rejects fused for double
   const SequenceRows all_q{0, q.rows()}, all_k{0, k.rows()};
   Matrix<Scalar> weights = Matrix<Scalar>::Zero(q.rows(), k.rows());
   const Index h_kv = head / shape.group;
@@ -112,7 +114,10 @@ Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q
   return weights;
 }
 
+}  // namespace QKV_ISA_NAME
 }  // namespace detail
+
+inline namespace QKV_ISA_NAME {
 
 /// Scaled dot-product attention of one head: softmax(Q·Kᵀ·scale + masks)·V (seed 000 定义 2.4.1).
 ///
@@ -164,8 +169,8 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
 /// query i's scores over the visible keys, exactly 0 at hidden keys; visible rows sum to 1 (1 − p_sink with
 /// `sinks`); a row that sees no key is all zeros.
 ///
-/// Shapes: Q Tq × dk, K Tk × dk. Computed by the reference path in double whatever `backend` says (only an
-/// explicit `Backend::fused` is refused, with unsupported_error, until it can return weights).
+/// Shapes: Q Tq × dk, K Tk × dk. Computed by the reference path in double whatever `backend` says (the fused
+/// kernel never forms P); `Backend::fused` with double throws unsupported_error as everywhere.
 /// Throws: shape_error as `scaled_dot_product_attention`. Complexity O(Tq·Tk·dk); allocates O(Tq·Tk).
 /// Source: seed 000 例 2.4.1 step (3); PyTorch's `need_weights`.
 template <class DQ, class DK>
@@ -188,4 +193,5 @@ Matrix<typename DQ::Scalar> attention_weights(
   return detail::weights_packed<Scalar>("qkv::attention_weights", Q.derived(), K.derived(), heads, head, options);
 }
 
+}  // namespace QKV_ISA_NAME
 }  // namespace qkv

@@ -1,0 +1,227 @@
+// qkv microbenchmarks: the fused kernel against baselines measured in the same binary and run.
+//
+//   cmake --preset bench && cmake --build --preset bench && ./build/bench/bench/bench_attention
+//
+// Counters: GFLOPS counts 2·(D + Dv) FLOPs per visible (query, key) pair per query head (the two products;
+// softmax not counted), as FlashAttention does; GBps counts the compulsory bytes (K and V once) of decoding.
+// Baselines: a register-only FMA loop (the ISA's peak for one thread), an Eigen SGEMM 2048³ (the "Eigen SGEMM
+// reference"), a naive materialized Eigen attention (S = Q·Kᵀ, softmax, P·V per head, float), the qkv reference
+// path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
+// Quote ratios from one run (bench/README.md), never absolute times: the machines are shared.
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "qkv/qkv.hpp"
+#include "qkv/simd/simd.hpp"
+
+namespace {
+
+using qkv::Index;
+
+std::vector<float> random_vector(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (auto& x : v) x = normal(rng);
+  return v;
+}
+
+void set_threads(int threads) {
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
+
+/// Visible (query, key) pairs of one head: Sq·Skv, or the causal triangle (bottom-right) when causal.
+double visible_pairs(Index sq, Index skv, bool causal) {
+  if (!causal) return double(sq) * double(skv);
+  double pairs = 0;
+  for (Index i = 0; i < sq; ++i) pairs += double(std::max<Index>(0, std::min(skv, i + (skv - sq) + 1)));
+  return pairs;
+}
+
+std::string label(const char* what) { return std::string(what) + " " + qkv::simd::BestTag::kName; }
+
+// Prefill: B = 1, H heads, T = Sq = Skv, D = Dv; args {T, D, causal, threads}.
+void BM_FusedPrefill(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  const bool causal = state.range(2) != 0;
+  set_threads(static_cast<int>(state.range(3)));
+  const auto q = random_vector(std::size_t(H * T * D), 1), k = random_vector(std::size_t(H * T * D), 2),
+             v = random_vector(std::size_t(H * T * D), 3);
+  std::vector<float> out(std::size_t(H * T * D));
+  qkv::AttentionOptions<float> options;
+  options.causal = causal;
+  options.backend = qkv::Backend::fused;
+  for (auto _ : state) {
+    qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                   qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = 2.0 * double(D + D) * visible_pairs(T, T, causal) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("fused"));
+  set_threads(1);
+}
+
+// The qkv reference path (float64 accumulation, materialized) on the same shapes: the executable specification.
+void BM_ReferencePrefill(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  const bool causal = state.range(2) != 0;
+  set_threads(1);
+  const auto q = random_vector(std::size_t(H * T * D), 1), k = random_vector(std::size_t(H * T * D), 2),
+             v = random_vector(std::size_t(H * T * D), 3);
+  std::vector<float> out(std::size_t(H * T * D));
+  qkv::AttentionOptions<float> options;
+  options.causal = causal;
+  options.backend = qkv::Backend::reference;
+  for (auto _ : state) {
+    qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                   qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double flops = 2.0 * double(D + D) * visible_pairs(T, T, causal) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("reference"));
+}
+
+// Naive materialized attention in plain Eigen, one head at a time (no mask): the baseline a user would write.
+void BM_NaiveEigenPrefill(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)), v(std::size_t(H), M::Random(T, D));
+  M s(T, T), out(T, D);
+  const float scale = 1.0f / std::sqrt(float(D));
+  for (auto _ : state) {
+    for (Index h = 0; h < H; ++h) {
+      s.noalias() = (q[std::size_t(h)] * scale) * k[std::size_t(h)].transpose();
+      s = (s.colwise() - s.rowwise().maxCoeff()).array().exp().matrix();
+      s = s.array().colwise() / s.rowwise().sum().array();
+      out.noalias() = s * v[std::size_t(h)];
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  const double flops = 2.0 * double(D + D) * double(T) * double(T) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("naive eigen"));
+}
+
+// Eigen SGEMM 2048 × 2048 × 2048, one thread: the "Eigen SGEMM reference".
+void BM_EigenSgemm(benchmark::State& state) {
+  const Index n = 2048;
+  Eigen::setNbThreads(1);
+  const Eigen::MatrixXf a = Eigen::MatrixXf::Random(n, n), b = Eigen::MatrixXf::Random(n, n);
+  Eigen::MatrixXf c(n, n);
+  for (auto _ : state) {
+    c.noalias() = a * b;
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * double(n) * double(n) * double(n) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("eigen sgemm"));
+}
+
+// A register-only FMA loop with 16 independent accumulators: the ISA's peak FLOP rate for one thread.
+void BM_FmaPeak(benchmark::State& state) {
+  using Tag = qkv::simd::BestTag;
+  constexpr int kAccumulators = 16;
+  constexpr std::int64_t kIterations = 1 << 20;
+  for (auto _ : state) {
+    typename Tag::Vec acc[kAccumulators];
+    for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::set1(Tag(), float(a));
+    const auto x = qkv::simd::set1(Tag(), 0.999999f), y = qkv::simd::set1(Tag(), 1e-7f);
+    for (std::int64_t n = 0; n < kIterations; ++n) {
+      for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::fmadd(acc[a], x, y);
+#if defined(__GNUC__)
+      if constexpr (Tag::kLanes > 1) asm volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]));
+#endif
+    }
+    float sum = 0;
+    for (int a = 0; a < kAccumulators; ++a) sum += qkv::simd::reduce_sum(Tag(), acc[a]);
+    benchmark::DoNotOptimize(sum);
+  }
+  const double flops = 2.0 * kAccumulators * Tag::kLanes * double(kIterations);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("fma peak"));
+}
+
+// Decode: Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128; args {Skv, threads}.
+void BM_FusedDecode(benchmark::State& state) {
+  const Index Skv = state.range(0), Hq = 32, Hkv = 8, D = 128;
+  set_threads(static_cast<int>(state.range(1)));
+  const auto q = random_vector(std::size_t(Hq * D), 1), k = random_vector(std::size_t(Hkv * Skv * D), 2),
+             v = random_vector(std::size_t(Hkv * Skv * D), 3);
+  std::vector<float> out(std::size_t(Hq * D));
+  qkv::AttentionOptions<float> options;
+  options.backend = qkv::Backend::fused;
+  for (auto _ : state) {
+    qkv::attention(qkv::view_bhsd(q.data(), 1, Hq, 1, D), qkv::view_bhsd(k.data(), 1, Hkv, Skv, D),
+                   qkv::view_bhsd(v.data(), 1, Hkv, Skv, D), qkv::view_bhsd(out.data(), 1, Hq, 1, D), options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double bytes = 2.0 * double(Hkv * Skv * D) * sizeof(float);
+  state.counters["GBps"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * double(D + D) * double(Skv) * double(Hq) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("fused decode"));
+  set_threads(1);
+}
+
+// A plain read loop over the bytes decode reads (K and V of the same size): the bandwidth there. Args {Skv, threads}.
+void BM_ReadLoop(benchmark::State& state) {
+  const Index Skv = state.range(0), Hkv = 8, D = 128;
+  const int threads = static_cast<int>(state.range(1));
+  const std::size_t n = std::size_t(2 * Hkv * Skv * D);
+  const auto data = random_vector(n, 4);
+  for (auto _ : state) {
+    float total = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) reduction(+ : total)
+#endif
+    for (std::int64_t block = 0; block < std::int64_t(n / 64); ++block) {
+      using Tag = qkv::simd::BestTag;
+      auto acc = qkv::simd::zero(Tag());
+      for (int e = 0; e < 64; e += Tag::kLanes) acc = qkv::simd::add(acc, qkv::simd::load(Tag(), data.data() + block * 64 + e));
+      total += qkv::simd::reduce_sum(Tag(), acc);
+    }
+    benchmark::DoNotOptimize(total);
+  }
+  (void)threads;
+  state.counters["GBps"] = benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("read loop"));
+}
+
+void prefill_args(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 2})
+    for (Index T : {512, 1024, 2048, 4096, 16384})
+      for (Index D : {64, 128})
+        for (int causal : {0, 1}) {
+          if (threads == 2 && T > 4096) continue;
+          b->Args({T, D, causal, threads});
+        }
+}
+
+BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_EigenSgemm)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FusedPrefill)->Apply(prefill_args)->ArgNames({"T", "D", "causal", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_NaiveEigenPrefill)->ArgsProduct({{512, 1024, 2048, 4096}, {64, 128}})->ArgNames({"T", "D"})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReferencePrefill)->Args({512, 64, 0})->Args({1024, 128, 0})->ArgNames({"T", "D", "causal"})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FusedDecode)->ArgsProduct({{2048, 32768}, {1, 2}})->ArgNames({"Skv", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_ReadLoop)->ArgsProduct({{2048, 32768}, {1, 2}})->ArgNames({"Skv", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();

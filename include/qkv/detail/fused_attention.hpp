@@ -1,0 +1,679 @@
+// qkv/detail/fused_attention.hpp — the fused kernel: FlashAttention-2's forward loop on the CPU, in float.
+//
+// Design (internal; the public entry point is qkv::attention with Backend::fused or automatic):
+//
+//   for each (sequence b, kv head h_kv, query tile of rows [i0, i1)):            one task, threads over tasks
+//     stack the G query heads of the group: block row r = g·mq + (i − i0), M = G·mq rows (kBlockM at most
+//       unless G alone exceeds it), so every K/V tile is read once per group (GQA; gemma.cpp's head groups)
+//     Q_block ← q·scale (M × D, L1/L2 resident)
+//     for each key tile [j0, j1) of kBlockN keys inside MaskGeometry::key_range(i0, i1):  n_block_min/max
+//       skip it if the index rules hide it entirely (causal costs about half, a window O(T·w))
+//       acc_s = Q_block · K_tileᵀ          micro-kernel: kStrip rows × one panel of 2·lanes keys, K packed
+//                                          once per (sequence, kv head) as panels laid out [D][2·lanes]
+//       softcap / bias / ALiBi per element where present; the index mask only in boundary tiles
+//       row_max, row_sum: online softmax; acc_o is rescaled only when a row's max rose
+//       acc_o += P · V_tile                 micro-kernel: kStrip rows × 2 vectors of Dv, V read in place
+//     out = acc_o / row_sum (one division per row), lse = row_max + log(row_sum)
+//
+// Memory: per thread Q_block (M × D), acc_s (M × kBlockN), acc_o (M × Dv) floats, 64-byte aligned, allocated once
+// per call; packed K: the size of K. Nothing of size Sq × Skv. Traffic per task: K and V of the visible key range
+// once (from L2 when the tile fits: kBlockN = 256 keys × D = 128 floats = 128 KiB each), Q and out once.
+//
+// Exactness rules kept here (DESIGN.md): hidden keys are selected away (−∞ before exp), never multiplied by zero;
+// in a tile where a key may be hidden and a value is NaN or ∞, P·V skips zero weights so a hidden slot cannot leak;
+// a row with NaN or +∞ among its visible scores is NaN (as the reference); empty rows give zeros and lse −∞;
+// sinks join the denominator at the end as a state with output 0 and lse = the sink logit.
+//
+// Split-K for decoding: a sequence with a single query tile and many keys splits its keys into chunks of
+// kSplitKeys (a number fixed by the shape, never by the thread count); each chunk is a task; the partial
+// (out, lse) states are merged in chunk order, so results are bit-identical for any number of threads.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "qkv/config.hpp"
+#include "qkv/detail/attention_shape.hpp"
+#include "qkv/mask.hpp"
+#include "qkv/options.hpp"
+#include "qkv/simd/simd.hpp"
+#include "qkv/softmax.hpp"
+#include "qkv/tensor_view.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+
+/// A 64-byte aligned float buffer, allocated once and reused (no allocation inside the kernel loops).
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(std::size_t n) { resize(n); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  ~AlignedBuffer() { release(); }
+  void resize(std::size_t n) {
+    if (n <= size_) return;
+    release();
+    data_ = static_cast<float*>(::operator new(std::max<std::size_t>(n, 1) * sizeof(float), std::align_val_t(64)));
+    size_ = n;
+  }
+  float* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  void release() noexcept {
+    if (data_ != nullptr) ::operator delete(data_, std::align_val_t(64));
+    data_ = nullptr;
+    size_ = 0;
+  }
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+/// Tile sizes of the fused kernel for a SIMD tag.
+template <class Tag>
+struct FusedTiles {
+  static constexpr int kLanes = Tag::kLanes;
+  static constexpr int kPanel = 2 * kLanes;  ///< keys per packed Kᵀ panel, and Dv columns per P·V chunk
+  static constexpr int kStrip = 6;           ///< query rows per micro-kernel call: 6 × 2 accumulators
+  static constexpr Index kBlockM = 96;       ///< stacked query rows per task (a multiple of kStrip)
+  static constexpr Index kBlockN = 256;      ///< keys per tile (a multiple of every kPanel)
+  static constexpr Index kSplitKeys = 2048;  ///< keys per split-K chunk when decoding
+  static constexpr Index kPvKeys = 32;       ///< keys per P·V sub-block: its V rows stay in L1 across Dv chunks
+  static constexpr Index kDecodeRows = 16;   ///< a sequence with Sq·G ≤ this reads K in place (no packing)
+  static_assert(kBlockM % kStrip == 0, "qkv: kBlockM must be a multiple of kStrip");
+  static_assert(kBlockN % kPanel == 0, "qkv: kBlockN must be a multiple of the panel width");
+  static_assert(kSplitKeys % kBlockN == 0, "qkv: kSplitKeys must be a multiple of kBlockN");
+};
+
+/// Packs the first `skv` keys of k (rows of D floats, `ld` apart) into panels of kPanel keys laid out
+/// [panel][d][key], zero-padding the last panel.
+template <class Tag>
+void pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noexcept {
+  constexpr int kPanel = FusedTiles<Tag>::kPanel;
+  const Index panels = (skv + kPanel - 1) / kPanel;
+  for (Index p = 0; p < panels; ++p) {
+    float* dst = packed + p * D * kPanel;
+    const Index keys = std::min<Index>(kPanel, skv - p * kPanel);
+    for (Index j = 0; j < kPanel; ++j) {
+      if (j < keys) {
+        const float* src = k + (p * kPanel + j) * ld;
+        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = src[d];
+      } else {
+        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = 0.0f;
+      }
+    }
+  }
+}
+
+/// acc_s[r][0..kPanel) = Σ_d q[r][d] · panel[d][0..kPanel) for R rows (R ≤ kStrip).
+template <class Tag, int R>
+inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, float* s, Index lds) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  constexpr int kPanel = 2 * L;
+  typename Tag::Vec acc[R][2];
+  QKV_UNROLL for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero(Tag());
+  for (Index d = 0; d < D; ++d) {
+    const auto k0 = load(Tag(), panel + d * kPanel);
+    const auto k1 = load(Tag(), panel + d * kPanel + L);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      const auto qb = set1(Tag(), q[r * ldq + d]);
+      acc[r][0] = fmadd(qb, k0, acc[r][0]);
+      acc[r][1] = fmadd(qb, k1, acc[r][1]);
+    }
+  }
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    store(Tag(), s + r * lds, acc[r][0]);
+    store(Tag(), s + r * lds + L, acc[r][1]);
+  }
+}
+
+/// acc_s[r][j] = q[r]·k[j] for R rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
+/// decoding micro-kernel, which streams K once instead of packing it (R ≤ 4 rows × 2 keys per step; D tails
+/// by masked loads, so nothing past a row is read).
+template <class Tag, int R>
+inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, Index keys, Index D, float* s,
+                        Index lds) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  const Index d_full = D / L * L;
+  const int tail = static_cast<int>(D - d_full);
+  Index j = 0;
+  for (; j + 2 <= keys; j += 2) {
+    typename Tag::Vec acc[R][2];
+    QKV_UNROLL for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero(Tag());
+    const float* k0 = k + j * ldk;
+    const float* k1 = k0 + ldk;
+    for (Index d = 0; d < d_full; d += L) {
+      const auto kv0 = load(Tag(), k0 + d), kv1 = load(Tag(), k1 + d);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        const auto qv = load(Tag(), q + r * ldq + d);
+        acc[r][0] = fmadd(qv, kv0, acc[r][0]);
+        acc[r][1] = fmadd(qv, kv1, acc[r][1]);
+      }
+    }
+    if (tail > 0) {
+      const auto kv0 = load_partial(Tag(), k0 + d_full, tail), kv1 = load_partial(Tag(), k1 + d_full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        const auto qv = load_partial(Tag(), q + r * ldq + d_full, tail);
+        acc[r][0] = fmadd(qv, kv0, acc[r][0]);
+        acc[r][1] = fmadd(qv, kv1, acc[r][1]);
+      }
+    }
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      s[r * lds + j] = reduce_sum(Tag(), acc[r][0]);
+      s[r * lds + j + 1] = reduce_sum(Tag(), acc[r][1]);
+    }
+  }
+  for (; j < keys; ++j) {
+    typename Tag::Vec acc[R];
+    QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = zero(Tag());
+    const float* k0 = k + j * ldk;
+    for (Index d = 0; d < d_full; d += L) {
+      const auto kv0 = load(Tag(), k0 + d);
+      QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = fmadd(load(Tag(), q + r * ldq + d), kv0, acc[r]);
+    }
+    if (tail > 0) {
+      const auto kv0 = load_partial(Tag(), k0 + d_full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = fmadd(load_partial(Tag(), q + r * ldq + d_full, tail), kv0, acc[r]);
+    }
+    QKV_UNROLL for (int r = 0; r < R; ++r) s[r * lds + j] = reduce_sum(Tag(), acc[r]);
+  }
+}
+
+/// acc_o[r][c .. c + width) += Σ_j p[r][j] · v[j][c .. c + width) for R rows, width ≤ 2·lanes (tail by masks).
+template <class Tag, int R>
+inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                     int width) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  typename Tag::Vec acc[R][2];
+  if (width == 2 * L) {
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      acc[r][0] = load(Tag(), o + r * ldo);
+      acc[r][1] = load(Tag(), o + r * ldo + L);
+    }
+    for (Index j = 0; j < keys; ++j) {
+      const auto v0 = load(Tag(), v + j * ldv);
+      const auto v1 = load(Tag(), v + j * ldv + L);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        const auto pb = set1(Tag(), p[r * ldp + j]);
+        acc[r][0] = fmadd(pb, v0, acc[r][0]);
+        acc[r][1] = fmadd(pb, v1, acc[r][1]);
+      }
+    }
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      store(Tag(), o + r * ldo, acc[r][0]);
+      store(Tag(), o + r * ldo + L, acc[r][1]);
+    }
+    return;
+  }
+  const int n0 = std::min(width, L), n1 = std::max(0, width - L);
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    acc[r][0] = load_partial(Tag(), o + r * ldo, n0);
+    acc[r][1] = load_partial(Tag(), o + r * ldo + L, n1);
+  }
+  for (Index j = 0; j < keys; ++j) {
+    const auto v0 = load_partial(Tag(), v + j * ldv, n0);
+    const auto v1 = load_partial(Tag(), v + j * ldv + L, n1);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      const auto pb = set1(Tag(), p[r * ldp + j]);
+      acc[r][0] = fmadd(pb, v0, acc[r][0]);
+      acc[r][1] = fmadd(pb, v1, acc[r][1]);
+    }
+  }
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    store_partial(Tag(), o + r * ldo, acc[r][0], n0);
+    store_partial(Tag(), o + r * ldo + L, acc[r][1], n1);
+  }
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R rows with keys outermost: each V row is read once,
+/// front to back (the decoding order: V streams from memory at the prefetchers' pace; acc_o stays in L1).
+template <class Tag, int R>
+inline void pv_keys_outer(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                          Index Dv) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  const Index full = Dv / L * L;
+  const int tail = static_cast<int>(Dv - full);
+  for (Index j = 0; j < keys; ++j) {
+    const float* value = v + j * ldv;
+    typename Tag::Vec pb[R];
+    QKV_UNROLL for (int r = 0; r < R; ++r) pb[r] = set1(Tag(), p[r * ldp + j]);
+    for (Index c = 0; c < full; c += L) {
+      const auto vc = load(Tag(), value + c);
+      QKV_UNROLL for (int r = 0; r < R; ++r) store(Tag(), o + r * ldo + c, fmadd(pb[r], vc, load(Tag(), o + r * ldo + c)));
+    }
+    if (tail > 0) {
+      const auto vc = load_partial(Tag(), value + full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        store_partial(Tag(), o + r * ldo + full, fmadd(pb[r], vc, load_partial(Tag(), o + r * ldo + full, tail)), tail);
+      }
+    }
+  }
+}
+
+/// Whether the first n floats of `rows` rows (`ld` apart) are all finite: Σ x·0 is 0 for finite x and NaN
+/// otherwise. Vectorized; reads exactly those floats.
+template <class Tag>
+inline bool all_finite(const float* rows, Index n_rows, Index n, Index ld) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  const auto zero_vector = zero(Tag());
+  auto acc = zero(Tag());
+  const Index full = n / L * L;
+  for (Index r = 0; r < n_rows; ++r) {
+    const float* row = rows + r * ld;
+    for (Index d = 0; d < full; d += L) acc = add(acc, mul(load(Tag(), row + d), zero_vector));
+    if (full < n) acc = add(acc, mul(load_partial(Tag(), row + full, static_cast<int>(n - full)), zero_vector));
+  }
+  return reduce_sum(Tag(), acc) == 0.0f;
+}
+
+/// Calls f(std::integral_constant<int, R>()) for R = rows (1 ≤ rows ≤ kStrip = 6): the micro-kernels take the
+/// row count as a template argument so their accumulators stay in registers.
+template <class F>
+inline void dispatch_rows(Index rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    default: f(std::integral_constant<int, 6>()); break;
+  }
+}
+
+/// One task of the fused kernel: the query rows of one (sequence, kv head, query tile) and the keys it covers.
+struct FusedTask {
+  Index sequence = 0;
+  Index h_kv = 0;
+  Index i_begin = 0, i_end = 0;        ///< query rows of the sequence (every head of the group)
+  Index key_begin = 0, key_end = 0;    ///< keys of this task: all of them, or one split-K chunk
+  Index partial = -1;                  ///< split tasks: index of their (out, lse) slot; −1 = write the output
+};
+
+/// Per-thread scratch of the fused kernel: sized once per call, reused by every task of the thread.
+struct FusedScratch {
+  AlignedBuffer q_block, acc_s, acc_o, row_max, row_sum;
+  std::vector<char> row_nan;
+  std::vector<HeadMask<float>> masks;
+};
+
+/// The fused kernel for one call in float. Views and options are validated by qkv::attention.
+template <class Tag>
+class FusedAttention {
+ public:
+  using Tiles = FusedTiles<Tag>;
+  static constexpr int kPanel = Tiles::kPanel;
+  static constexpr int kStrip = Tiles::kStrip;
+
+  FusedAttention(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
+                 const TensorView4<const float>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
+                 const AttentionOptions<float>& options)
+      : shape_(shape), q_(q), k_(k), v_(v), out_(out), lse_(lse), options_(options) {
+    G_ = shape.group;
+    rows_per_tile_ = std::max<Index>(1, Tiles::kBlockM / std::max<Index>(1, G_));
+    scale_ = resolve_scale(options, shape.D);
+  }
+
+  /// Runs every task; with OpenMP, threads share the tasks. The result does not depend on the thread count.
+  void run() {
+    pack_keys_and_scan_values();
+    build_tasks();
+    zeros_.assign(static_cast<std::size_t>(shape_.Dv), 0.0f);
+    const Index n_tasks = static_cast<Index>(tasks_.size());
+#if defined(_OPENMP)
+#pragma omp parallel if (n_tasks > 1)
+#endif
+    {
+      FusedScratch scratch;
+      allocate(scratch);
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (Index t = 0; t < n_tasks; ++t) run_task(tasks_[static_cast<std::size_t>(t)], scratch);
+    }
+    merge_partials();
+  }
+
+  /// Floats of scratch one thread allocates (for the no-O(Sq·Skv) test): Q block, acc_s, acc_o, row state.
+  Index scratch_floats() const noexcept {
+    const Index M = max_block_rows();
+    return M * shape_.D + M * Tiles::kBlockN + M * shape_.Dv + 2 * M;
+  }
+
+ private:
+  Index max_block_rows() const noexcept { return G_ * rows_per_tile_; }
+  std::size_t kv_index(Index b, Index h_kv) const noexcept { return static_cast<std::size_t>(b * shape_.Hkv + h_kv); }
+
+  void allocate(FusedScratch& s) const {
+    const Index M = max_block_rows();
+    s.q_block.resize(static_cast<std::size_t>(M * shape_.D));
+    s.acc_s.resize(static_cast<std::size_t>(M * Tiles::kBlockN));
+    s.acc_o.resize(static_cast<std::size_t>(std::max<Index>(1, M * shape_.Dv)));
+    s.row_max.resize(static_cast<std::size_t>(M));
+    s.row_sum.resize(static_cast<std::size_t>(M));
+    s.row_nan.assign(static_cast<std::size_t>(M), 0);
+    s.masks.resize(static_cast<std::size_t>(G_));
+  }
+
+  /// Packs K once per (sequence, kv head), except for decoding sequences, which read K in place.
+  void pack_keys_and_scan_values() {
+    const Index n = shape_.n_sequences * shape_.Hkv;
+    packed_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
+    decode_.assign(static_cast<std::size_t>(shape_.n_sequences), 0);
+    for (Index b = 0; b < shape_.n_sequences; ++b) {
+      const Index skv = shape_.key_counts[static_cast<std::size_t>(b)];
+      const bool decode = shape_.q_rows[static_cast<std::size_t>(b)].length * G_ <= Tiles::kDecodeRows;
+      decode_[static_cast<std::size_t>(b)] = decode ? 1 : 0;
+      const Index floats = decode ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape_.D;
+      for (Index h = 0; h < shape_.Hkv; ++h) packed_offset_[kv_index(b, h) + 1] = packed_offset_[kv_index(b, h)] + floats;
+    }
+    packed_.resize(static_cast<std::size_t>(std::max<Index>(1, packed_offset_.back())));
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+#endif
+    for (Index task = 0; task < n; ++task) {
+      const Index b = task / shape_.Hkv, h_kv = task % shape_.Hkv;
+      const std::size_t s = static_cast<std::size_t>(b);
+      const Index skv = shape_.key_counts[s];
+      if (skv == 0 || shape_.q_rows[s].length == 0) continue;
+      const Index vb = shape_.view_batch(b), row0 = shape_.kv_rows[s].begin;
+      if (!decode_[s]) pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D, packed_.data() + packed_offset_[kv_index(b, h_kv)]);
+    }
+  }
+
+  /// Tasks: (sequence, kv head, query tile), and split-K chunks for a sequence with one query tile and many keys.
+  void build_tasks() {
+    tasks_.clear();
+    partial_count_ = 0;
+    for (Index b = 0; b < shape_.n_sequences; ++b) {
+      const std::size_t s = static_cast<std::size_t>(b);
+      const Index sq = shape_.q_rows[s].length, skv = shape_.key_counts[s];
+      if (sq == 0) continue;
+      const Index tiles = (sq + rows_per_tile_ - 1) / rows_per_tile_;
+      const Index chunks = tiles == 1 && skv > Tiles::kSplitKeys ? (skv + Tiles::kSplitKeys - 1) / Tiles::kSplitKeys : 1;
+      for (Index h_kv = 0; h_kv < shape_.Hkv; ++h_kv) {
+        for (Index tile = 0; tile < tiles; ++tile) {
+          for (Index c = 0; c < chunks; ++c) {
+            FusedTask t;
+            t.sequence = b;
+            t.h_kv = h_kv;
+            t.i_begin = tile * rows_per_tile_;
+            t.i_end = std::min(sq, t.i_begin + rows_per_tile_);
+            t.key_begin = chunks == 1 ? 0 : c * Tiles::kSplitKeys;
+            t.key_end = chunks == 1 ? skv : std::min(skv, (c + 1) * Tiles::kSplitKeys);
+            t.partial = chunks == 1 ? -1 : partial_count_++;
+            tasks_.push_back(t);
+          }
+        }
+      }
+    }
+    const Index M = max_block_rows();
+    partial_out_.resize(static_cast<std::size_t>(std::max<Index>(1, partial_count_ * M * shape_.Dv)));
+    partial_lse_.resize(static_cast<std::size_t>(std::max<Index>(1, partial_count_ * M)));
+  }
+
+  void run_task(const FusedTask& t, FusedScratch& s) const {
+    using namespace simd;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr int L = Tag::kLanes;
+    const std::size_t seq = static_cast<std::size_t>(t.sequence);
+    const Index vb = shape_.view_batch(t.sequence);
+    const Index q_row0 = shape_.q_rows[seq].begin, kv_row0 = shape_.kv_rows[seq].begin;
+    const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
+    const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
+    const Index ldS = Tiles::kBlockN;
+    float* q_block = s.q_block.data();
+    float* acc_s = s.acc_s.data();
+    float* acc_o = s.acc_o.data();
+    float* row_max = s.row_max.data();
+    float* row_sum = s.row_sum.data();
+    for (Index g = 0; g < G_; ++g) {
+      s.masks[static_cast<std::size_t>(g)] = HeadMask<float>::make(options_, vb, t.h_kv * G_ + g, sq, skv, D);
+    }
+    const HeadMask<float>& first_mask = s.masks[0];
+    const MaskGeometry& geometry = first_mask.geometry;
+    const bool data_mask = first_mask.has_data_mask(), modifies = first_mask.modifies_scores();
+
+    // Q block, g-major (row r = g·rows + (i − i_begin)), pre-scaled.
+    for (Index g = 0; g < G_; ++g) {
+      for (Index ii = 0; ii < rows; ++ii) {
+        const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
+        float* dst = q_block + (g * rows + ii) * D;
+        for (Index d = 0; d < D; ++d) dst[d] = src[d] * scale_;
+      }
+    }
+    std::fill(row_max, row_max + M, kNegInf);
+    std::fill(row_sum, row_sum + M, 0.0f);
+    std::fill(s.row_nan.begin(), s.row_nan.begin() + M, 0);
+    std::fill(acc_o, acc_o + M * Dv, 0.0f);
+
+    KeyRange range = geometry.key_range(t.i_begin, t.i_end);
+    range.begin = std::max(range.begin, t.key_begin);
+    range.end = std::min(range.end, t.key_end);
+    const float* packed = packed_.data() + packed_offset_[kv_index(t.sequence, t.h_kv)];
+    const Index ldv = v_.stride(2), ldk = k_.stride(2);
+    const bool decode = decode_[seq] != 0;
+
+    for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += Tiles::kBlockN) {
+      const Index j1 = std::min(j0 + Tiles::kBlockN, range.end);
+      const TileVisibility visibility = geometry.classify(t.i_begin, t.i_end, j0, j1);
+      if (visibility == TileVisibility::hidden) continue;
+      const Index n = j1 - j0, panels = (n + kPanel - 1) / kPanel;
+
+      // acc_s = Q_block · K_tileᵀ: from the packed panels, or from K in place when decoding.
+      if (decode) {
+        const float* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
+        for (Index r0 = 0; r0 < M; r0 += 4) {
+          dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
+            constexpr int R = std::min(4, decltype(rows_constant)::value);
+            qk_in_place<Tag, R>(q_block + r0 * D, D, k_tile, ldk, n, D, acc_s + r0 * ldS, ldS);
+          });
+        }
+      } else {
+        for (Index r0 = 0; r0 < M; r0 += kStrip) {
+          dispatch_rows(std::min<Index>(kStrip, M - r0), [&](auto rows_constant) {
+            constexpr int R = decltype(rows_constant)::value;
+            for (Index p = 0; p < panels; ++p) {
+              qk_panel<Tag, R>(q_block + r0 * D, D, packed + (j0 / kPanel + p) * D * kPanel, D,
+                               acc_s + r0 * ldS + p * kPanel, ldS);
+            }
+          });
+        }
+      }
+
+      // Softcap, bias, ALiBi where present; the mask in boundary tiles or where `allowed` / `bias` decide.
+      const bool index_mask = visibility == TileVisibility::partial;
+      if (index_mask || data_mask || modifies) {
+        for (Index r = 0; r < M; ++r) {
+          const HeadMask<float>& mask = s.masks[static_cast<std::size_t>(r / rows)];
+          const Index i = t.i_begin + r % rows;
+          float* row = acc_s + r * ldS;
+          for (Index jj = 0; jj < n; ++jj) {
+            const Index j = j0 + jj;
+            if ((index_mask || data_mask) && !mask.visible(i, j)) {
+              row[jj] = kNegInf;
+            } else if (modifies) {
+              row[jj] = mask.finish(row[jj], i, j);
+            }
+          }
+        }
+      }
+
+      // Online softmax: row_max and row_sum; acc_o is rescaled only when a row's max rose.
+      const Index n_vec = n / L * L;
+      for (Index r = 0; r < M; ++r) {
+        float* row = acc_s + r * ldS;
+        auto vmax = set1(Tag(), kNegInf);
+        for (Index jj = 0; jj < n_vec; jj += L) vmax = max(vmax, load(Tag(), row + jj));
+        float tile_max = reduce_max(Tag(), vmax);
+        for (Index jj = n_vec; jj < n; ++jj) tile_max = std::max(tile_max, row[jj]);
+        const float old_max = row_max[r];
+        const float new_max = std::max(old_max, tile_max);
+        if (new_max == kNegInf) {  // nothing visible so far; a NaN here would be lost by max: look for it
+          for (Index jj = 0; jj < n; ++jj) {
+            if (std::isnan(row[jj])) s.row_nan[static_cast<std::size_t>(r)] = 1;
+            row[jj] = 0.0f;
+          }
+          continue;
+        }
+        const auto vm = set1(Tag(), new_max);
+        auto vsum = zero(Tag());
+        for (Index jj = 0; jj < n_vec; jj += L) {
+          const auto e = simd::exp(Tag(), sub(load(Tag(), row + jj), vm));
+          store(Tag(), row + jj, e);
+          vsum = add(vsum, e);
+        }
+        float sum = reduce_sum(Tag(), vsum);
+        for (Index jj = n_vec; jj < n; ++jj) {
+          row[jj] = std::exp(row[jj] - new_max);
+          sum += row[jj];
+        }
+        if (new_max > old_max && old_max != kNegInf) {
+          const float alpha = std::exp(old_max - new_max);
+          row_sum[r] *= alpha;
+          float* o = acc_o + r * Dv;
+          for (Index d = 0; d < Dv; ++d) o[d] *= alpha;
+        }
+        row_sum[r] += sum;
+        row_max[r] = new_max;
+      }
+
+      // acc_o += P · V_tile, V read in place.
+      if (Dv == 0) continue;
+      const float* v_tile = &v_(vb, t.h_kv, kv_row0 + j0, 0);
+      // A tile where some key may be hidden from some row multiplies zero weights by V: safe only if the tile's
+      // values are finite. Otherwise (NaN or ∞ stored there) zero weights are skipped, so hidden slots are not read.
+      const bool may_hide = index_mask || data_mask;
+      if (decode && (!may_hide || all_finite<Tag>(v_tile, n, Dv, ldv))) {
+        for (Index r0 = 0; r0 < M; r0 += 4) {
+          dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
+            constexpr int R = std::min(4, decltype(rows_constant)::value);
+            pv_keys_outer<Tag, R>(acc_s + r0 * ldS, ldS, v_tile, ldv, n, acc_o + r0 * Dv, Dv, Dv);
+          });
+        }
+      } else if (!may_hide || all_finite<Tag>(v_tile, n, Dv, ldv)) {
+        for (Index jb = 0; jb < n; jb += Tiles::kPvKeys) {
+          const Index keys = std::min<Index>(Tiles::kPvKeys, n - jb);
+          for (Index r0 = 0; r0 < M; r0 += kStrip) {
+            dispatch_rows(std::min<Index>(kStrip, M - r0), [&](auto rows_constant) {
+              constexpr int R = decltype(rows_constant)::value;
+              for (Index c = 0; c < Dv; c += kPanel) {
+                pv_chunk<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c, Dv,
+                                 static_cast<int>(std::min<Index>(kPanel, Dv - c)));
+              }
+            });
+          }
+        }
+      } else {
+        // Some value of this tile is NaN or ∞: skip zero weights so hidden slots are never read.
+        for (Index r = 0; r < M; ++r) {
+          const float* p = acc_s + r * ldS;
+          float* o = acc_o + r * Dv;
+          for (Index jj = 0; jj < n; ++jj) {
+            if (p[jj] == 0.0f) continue;
+            const float* value = v_tile + jj * ldv;
+            for (Index d = 0; d < Dv; ++d) o[d] += p[jj] * value[d];
+          }
+        }
+      }
+    }
+
+    // (out, lse) of every row; the output directly, or the task's partial slot for split-K.
+    for (Index r = 0; r < M; ++r) {
+      const Index g = r / rows, i = t.i_begin + r % rows, h = t.h_kv * G_ + g;
+      float* o = acc_o + r * Dv;
+      float lse;
+      if (s.row_nan[static_cast<std::size_t>(r)]) {
+        lse = std::numeric_limits<float>::quiet_NaN();
+        for (Index d = 0; d < Dv; ++d) o[d] = lse;
+      } else if (row_sum[r] == 0.0f) {
+        lse = kNegInf;
+        for (Index d = 0; d < Dv; ++d) o[d] = 0.0f;
+      } else {
+        const float inverse = 1.0f / row_sum[r];
+        for (Index d = 0; d < Dv; ++d) o[d] *= inverse;
+        lse = row_max[r] + std::log(row_sum[r]);
+      }
+      if (t.partial >= 0) {
+        const Index slot = t.partial * max_block_rows() + r;
+        std::copy(o, o + Dv, partial_out_.data() + slot * Dv);
+        partial_lse_.data()[slot] = lse;
+      } else {
+        write_row(vb, h, q_row0 + i, o, lse);
+      }
+    }
+  }
+
+  /// Writes one output row, merging in the head's sink (a state with output 0 and lse = the sink logit).
+  void write_row(Index vb, Index h, Index row, float* o, float lse) const {
+    const Index Dv = shape_.Dv;
+    if (!options_.sinks.empty()) {
+      const float sink = options_.sinks[static_cast<std::size_t>(h)];
+      merge_state(o, lse, zeros_.data(), sink, o, lse, Dv);
+    }
+    if (Dv > 0) std::copy(o, o + Dv, &out_(vb, h, row, 0));
+    if (lse_ != nullptr) (*lse_)(vb, h, row) = lse;
+  }
+
+  /// Merges the split-K chunks of each (sequence, kv head, query tile) in chunk order and writes the rows.
+  void merge_partials() {
+    if (partial_count_ == 0) return;
+    const Index Dv = shape_.Dv, M_max = max_block_rows();
+    std::vector<float> o(static_cast<std::size_t>(Dv));
+    for (std::size_t first = 0; first < tasks_.size();) {
+      const FusedTask& t = tasks_[first];
+      if (t.partial < 0) {
+        ++first;
+        continue;
+      }
+      std::size_t last = first;
+      while (last + 1 < tasks_.size() && tasks_[last + 1].partial >= 0 && tasks_[last + 1].sequence == t.sequence &&
+             tasks_[last + 1].h_kv == t.h_kv && tasks_[last + 1].i_begin == t.i_begin) {
+        ++last;
+      }
+      const Index rows = t.i_end - t.i_begin, M = G_ * rows;
+      const std::size_t seq = static_cast<std::size_t>(t.sequence);
+      for (Index r = 0; r < M; ++r) {
+        const Index slot0 = t.partial * M_max + r;
+        std::copy(partial_out_.data() + slot0 * Dv, partial_out_.data() + (slot0 + 1) * Dv, o.begin());
+        float lse = partial_lse_.data()[slot0];
+        for (std::size_t c = first + 1; c <= last; ++c) {
+          const Index slot = tasks_[c].partial * M_max + r;
+          merge_state(o.data(), lse, partial_out_.data() + slot * Dv, partial_lse_.data()[slot], o.data(), lse, Dv);
+        }
+        const Index g = r / rows, i = t.i_begin + r % rows;
+        write_row(shape_.view_batch(t.sequence), t.h_kv * G_ + g, shape_.q_rows[seq].begin + i, o.data(), lse);
+      }
+      first = last + 1;
+    }
+  }
+
+  const AttentionShape& shape_;
+  TensorView4<const float> q_, k_, v_;
+  TensorView4<float> out_;
+  const TensorView3<float>* lse_;
+  const AttentionOptions<float>& options_;
+  Index G_ = 1, rows_per_tile_ = 1;
+  float scale_ = 1.0f;
+  AlignedBuffer packed_, partial_out_, partial_lse_;
+  std::vector<Index> packed_offset_;
+  std::vector<char> decode_;  ///< per sequence: K read in place (decoding) rather than packed
+  std::vector<FusedTask> tasks_;
+  Index partial_count_ = 0;
+  std::vector<float> zeros_;  ///< the output of a sink state
+};
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv

@@ -1,0 +1,87 @@
+// qkv/simd/avx2.hpp — AVX2 + FMA: eight float lanes (__m256).
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "qkv/config.hpp"
+#include "qkv/simd/exp_constants.hpp"
+
+namespace qkv {
+namespace simd {
+inline namespace QKV_ISA_NAME {
+
+struct Avx2Tag {
+  using Vec = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr const char* kName = "avx2";
+};
+
+inline __m256 zero(Avx2Tag) noexcept { return _mm256_setzero_ps(); }
+inline __m256 set1(Avx2Tag, float x) noexcept { return _mm256_set1_ps(x); }
+inline __m256 load(Avx2Tag, const float* p) noexcept { return _mm256_loadu_ps(p); }
+inline void store(Avx2Tag, float* p, __m256 v) noexcept { _mm256_storeu_ps(p, v); }
+
+/// Mask whose first n lanes are set (0 ≤ n ≤ 8).
+inline __m256i first_lanes(Avx2Tag, int n) noexcept {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+/// Loads the first n floats (0 ≤ n ≤ 8) and zeros the rest; memory past p + n is not touched.
+inline __m256 load_partial(Avx2Tag tag, const float* p, int n) noexcept {
+  return _mm256_maskload_ps(p, first_lanes(tag, n));
+}
+inline void store_partial(Avx2Tag tag, float* p, __m256 v, int n) noexcept {
+  _mm256_maskstore_ps(p, first_lanes(tag, n), v);
+}
+inline __m256 add(__m256 a, __m256 b) noexcept { return _mm256_add_ps(a, b); }
+inline __m256 sub(__m256 a, __m256 b) noexcept { return _mm256_sub_ps(a, b); }
+inline __m256 mul(__m256 a, __m256 b) noexcept { return _mm256_mul_ps(a, b); }
+/// fmadd(a, b, c) = a·b + c, rounded once.
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) noexcept { return _mm256_fmadd_ps(a, b, c); }
+/// Lane-wise max; b where either is NaN (maxps semantics).
+inline __m256 max(__m256 a, __m256 b) noexcept { return _mm256_max_ps(a, b); }
+
+inline float reduce_max(Avx2Tag, __m256 v) noexcept {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float reduce_sum(Avx2Tag, __m256 v) noexcept {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/// e^x lane-wise; see exp_constants.hpp for the method and the error bound.
+inline __m256 exp(Avx2Tag, __m256 x) noexcept {
+  namespace c = exp_constants;
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(c::kMin)), _mm256_set1_ps(c::kMax));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(c::kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(c::kLn2Hi), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(c::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(c::kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kP5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+  result = _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(c::kMin), _CMP_LT_OQ));
+  result = _mm256_blendv_ps(result, _mm256_set1_ps(__builtin_huge_valf()),
+                            _mm256_cmp_ps(x, _mm256_set1_ps(c::kMax), _CMP_GT_OQ));
+  return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
+}
+
+}  // namespace QKV_ISA_NAME
+}  // namespace simd
+}  // namespace qkv
+
+#endif

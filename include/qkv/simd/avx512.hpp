@@ -1,0 +1,81 @@
+// qkv/simd/avx512.hpp — AVX-512 (F, BW, DQ, VL): sixteen float lanes (__m512).
+//
+// GCC 12 reports false -Wuninitialized / -Wmaybe-uninitialized inside AVX-512 intrinsics (GCC bug 105593):
+// this header silences them for itself only, so that -Werror holds with -march=native on g++.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <immintrin.h>
+
+#include "qkv/config.hpp"
+#include "qkv/simd/exp_constants.hpp"
+
+namespace qkv {
+namespace simd {
+inline namespace QKV_ISA_NAME {
+
+struct Avx512Tag {
+  using Vec = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr const char* kName = "avx512";
+};
+
+inline __m512 zero(Avx512Tag) noexcept { return _mm512_setzero_ps(); }
+inline __m512 set1(Avx512Tag, float x) noexcept { return _mm512_set1_ps(x); }
+inline __m512 load(Avx512Tag, const float* p) noexcept { return _mm512_loadu_ps(p); }
+inline void store(Avx512Tag, float* p, __m512 v) noexcept { _mm512_storeu_ps(p, v); }
+/// Loads the first n floats (0 ≤ n ≤ 16) with a masked load and zeros the rest; memory past p + n is not touched.
+inline __m512 load_partial(Avx512Tag, const float* p, int n) noexcept {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+}
+inline void store_partial(Avx512Tag, float* p, __m512 v, int n) noexcept {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
+}
+inline __m512 add(__m512 a, __m512 b) noexcept { return _mm512_add_ps(a, b); }
+inline __m512 sub(__m512 a, __m512 b) noexcept { return _mm512_sub_ps(a, b); }
+inline __m512 mul(__m512 a, __m512 b) noexcept { return _mm512_mul_ps(a, b); }
+/// fmadd(a, b, c) = a·b + c, rounded once.
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) noexcept { return _mm512_fmadd_ps(a, b, c); }
+/// Lane-wise max; b where either is NaN (maxps semantics).
+inline __m512 max(__m512 a, __m512 b) noexcept { return _mm512_max_ps(a, b); }
+inline float reduce_max(Avx512Tag, __m512 v) noexcept { return _mm512_reduce_max_ps(v); }
+inline float reduce_sum(Avx512Tag, __m512 v) noexcept { return _mm512_reduce_add_ps(v); }
+
+/// e^x lane-wise; see exp_constants.hpp. 2^n is applied with vscalefps, which also handles the range ends.
+inline __m512 exp(Avx512Tag, __m512 x) noexcept {
+  namespace c = exp_constants;
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(c::kMin)), _mm512_set1_ps(c::kMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(c::kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::kLn2Hi), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(c::kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kP5));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512 result = _mm512_scalef_ps(p, n);
+  result = _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, _mm512_set1_ps(c::kMin), _CMP_LT_OQ), _mm512_setzero_ps());
+  result = _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, _mm512_set1_ps(c::kMax), _CMP_GT_OQ),
+                              _mm512_set1_ps(__builtin_huge_valf()));
+  return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN stays NaN
+}
+
+}  // namespace QKV_ISA_NAME
+}  // namespace simd
+}  // namespace qkv
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#endif

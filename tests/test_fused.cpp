@@ -1,0 +1,386 @@
+// Tests of the fused kernel (include/qkv/detail/fused_attention.hpp, Backend::fused) against the float64
+// reference (reference.hpp, itself checked against an independent brute force in test_reference.cpp).
+//
+// Criterion (DESIGN.md, Accuracy; FlashAttention's own test rule): over each call's output, the fused float
+// error against float64 is at most 2 × the error of a plain float implementation (materialized S, softmax and
+// P·V, all in float, written below) + 1e-6·max(1, max|V|); NaN appears exactly where float64 has NaN.
+// A randomized grid over D, Sq, Skv, every option and combinations, GQA groups, BSHD and BHSD strides and varlen
+// batches; the `quick` label runs a slice (the Quick suite), `full` all of it (QKV_FUSED_FULL=1).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "qkv/attention.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+// GCC sees the replaced operator new / delete below inlined into callers and mistakes free() of memory from
+// malloc() for a mismatched pair; the pair is matched by construction.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+// Counting allocator: every operator new of this binary adds its size here while `g_counting` is set, so a test
+// can bound what one attention call allocates.
+namespace {
+bool g_counting = false;
+std::size_t g_allocated_bytes = 0;
+std::size_t g_largest_allocation = 0;
+void count(std::size_t bytes) {
+  if (!g_counting) return;
+  g_allocated_bytes += bytes;
+  g_largest_allocation = std::max(g_largest_allocation, bytes);
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  count(bytes);
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void* operator new(std::size_t bytes, std::align_val_t alignment) {
+  count(bytes);
+  const std::size_t a = static_cast<std::size_t>(alignment);
+  if (void* p = std::aligned_alloc(a, (std::max<std::size_t>(bytes, 1) + a - 1) / a * a)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace {
+
+using qkv::Index;
+
+struct Case {
+  Index B = 1, Hq = 1, Hkv = 1, Sq = 1, Skv = 1, D = 8, Dv = 8;
+  bool bshd = false;
+  qkv::AttentionOptions<float> options;
+  std::vector<float> bias;  // storage behind options.bias
+  std::vector<char> allowed;
+  std::string describe() const {
+    std::ostringstream s;
+    s << "B " << B << " Hq " << Hq << " Hkv " << Hkv << " Sq " << Sq << " Skv " << Skv << " D " << D << " Dv " << Dv
+      << (bshd ? " bshd" : " bhsd") << " causal " << options.causal << " align "
+      << (options.alignment == qkv::CausalAlignment::top_left ? "tl" : "br") << " window " << options.window_left << ","
+      << options.window_right << " global " << options.global_tokens << " softcap " << options.softcap
+      << " key_lengths " << options.key_lengths.size() << " bias " << !bias.empty() << " allowed " << !allowed.empty()
+      << " alibi " << options.alibi_slopes.size() << " sinks " << options.sinks.size() << " varlen "
+      << options.cu_seqlens_q.size();
+    return s.str();
+  }
+};
+
+template <class T>
+qkv::TensorView4<T> make_view(T* data, Index B, Index H, Index S, Index D, bool bshd) {
+  return bshd ? qkv::view_bshd(data, B, S, H, D) : qkv::view_bhsd(data, B, H, S, D);
+}
+
+/// Plain float attention: materialized scores, softmax and P·V in float, one (sequence, head) at a time.
+void plain_float(const Case& c, const qkv::TensorView4<const float>& q, const qkv::TensorView4<const float>& k,
+                 const qkv::TensorView4<const float>& v, const qkv::TensorView4<float>& out) {
+  const auto& o = c.options;
+  const bool varlen = !o.cu_seqlens_q.empty();
+  const Index sequences = varlen ? static_cast<Index>(o.cu_seqlens_q.size()) - 1 : c.B;
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  for (Index s = 0; s < sequences; ++s) {
+    const std::size_t ss = static_cast<std::size_t>(s);
+    const Index b = varlen ? 0 : s;
+    const Index q0 = varlen ? o.cu_seqlens_q[ss] : 0, k0 = varlen ? o.cu_seqlens_k[ss] : 0;
+    const Index sq = varlen ? o.cu_seqlens_q[ss + 1] - q0 : c.Sq;
+    const Index skv = varlen ? o.cu_seqlens_k[ss + 1] - k0 : (o.key_lengths.empty() ? c.Skv : o.key_lengths[ss]);
+    for (Index h = 0; h < c.Hq; ++h) {
+      const Index h_kv = h / (c.Hq / c.Hkv);
+      const auto mask = qkv::HeadMask<float>::make(o, b, h, sq, skv, c.D);
+      std::vector<float> p(static_cast<std::size_t>(skv));
+      for (Index i = 0; i < sq; ++i) {
+        float m = o.sinks.empty() ? kNegInf : o.sinks[static_cast<std::size_t>(h)];
+        for (Index j = 0; j < skv; ++j) {
+          float dot = 0;
+          for (Index d = 0; d < c.D; ++d) dot += q(b, h, q0 + i, d) * k(b, h_kv, k0 + j, d);
+          p[static_cast<std::size_t>(j)] = mask.visible(i, j) ? mask.score(dot, i, j) : kNegInf;
+          m = std::max(m, p[static_cast<std::size_t>(j)]);
+        }
+        float sum = o.sinks.empty() || m == kNegInf ? 0.0f : std::exp(o.sinks[static_cast<std::size_t>(h)] - m);
+        for (auto& x : p) sum += (x = (x == kNegInf ? 0.0f : std::exp(x - m)));
+        for (Index d = 0; d < c.Dv; ++d) {
+          float acc = 0;
+          for (Index j = 0; j < skv; ++j) {
+            if (p[static_cast<std::size_t>(j)] != 0.0f) acc += p[static_cast<std::size_t>(j)] * v(b, h_kv, k0 + j, d);
+          }
+          out(b, h, q0 + i, d) = sum > 0 ? acc / sum : 0.0f;
+        }
+      }
+    }
+  }
+}
+
+/// Runs one case: fused vs float64 reference vs plain float; asserts the accuracy rule and NaN placement.
+void check_case(Case& c, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  const Index q_rows = c.options.cu_seqlens_q.empty() ? c.Sq : c.options.cu_seqlens_q.back();
+  const Index k_rows = c.options.cu_seqlens_k.empty() ? c.Skv : c.options.cu_seqlens_k.back();
+  std::vector<float> qd(static_cast<std::size_t>(c.B * c.Hq * q_rows * c.D)),
+      kd(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.D)), vd(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.Dv));
+  for (auto& x : qd) x = 2.0f * normal(rng);
+  for (auto& x : kd) x = 2.0f * normal(rng);
+  for (auto& x : vd) x = normal(rng);
+  const std::size_t n_out = static_cast<std::size_t>(c.B * c.Hq * q_rows * c.Dv);
+  std::vector<float> fused(n_out, -7.0f), plain(n_out, 0.0f), fused_lse(static_cast<std::size_t>(c.B * c.Hq * q_rows));
+  std::vector<double> qd64(qd.begin(), qd.end()), kd64(kd.begin(), kd.end()), vd64(vd.begin(), vd.end()), ref(n_out),
+      ref_lse(fused_lse.size());
+  const auto q = make_view<const float>(qd.data(), c.B, c.Hq, q_rows, c.D, c.bshd);
+  const auto k = make_view<const float>(kd.data(), c.B, c.Hkv, k_rows, c.D, c.bshd);
+  const auto v = make_view<const float>(vd.data(), c.B, c.Hkv, k_rows, c.Dv, c.bshd);
+  c.options.backend = qkv::Backend::fused;
+  qkv::attention(q, k, v, make_view(fused.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd),
+                 qkv::TensorView3<float>(fused_lse.data(), {c.B, c.Hq, q_rows}), c.options);
+  plain_float(c, q, k, v, make_view(plain.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd));
+
+  qkv::AttentionOptions<double> o64;
+  const auto& o = c.options;
+  if (o.scale) o64.scale = *o.scale;
+  o64.softcap = o.softcap;
+  o64.causal = o.causal;
+  o64.alignment = o.alignment;
+  o64.window_left = o.window_left;
+  o64.window_right = o.window_right;
+  o64.global_tokens = o.global_tokens;
+  o64.key_lengths = o.key_lengths;
+  o64.allowed = o.allowed;
+  std::vector<double> bias64(c.bias.begin(), c.bias.end());
+  if (!c.bias.empty()) o64.bias = qkv::TensorView4<const double>(bias64.data(), o.bias.extents(), o.bias.strides());
+  o64.alibi_slopes.assign(o.alibi_slopes.begin(), o.alibi_slopes.end());
+  o64.sinks.assign(o.sinks.begin(), o.sinks.end());
+  o64.cu_seqlens_q = o.cu_seqlens_q;
+  o64.cu_seqlens_k = o.cu_seqlens_k;
+  o64.backend = qkv::Backend::reference;
+  qkv::attention(make_view<const double>(qd64.data(), c.B, c.Hq, q_rows, c.D, c.bshd),
+                 make_view<const double>(kd64.data(), c.B, c.Hkv, k_rows, c.D, c.bshd),
+                 make_view<const double>(vd64.data(), c.B, c.Hkv, k_rows, c.Dv, c.bshd),
+                 make_view(ref.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd),
+                 qkv::TensorView3<double>(ref_lse.data(), {c.B, c.Hq, q_rows}), o64);
+
+  double err_fused = 0, err_plain = 0, max_v = 0;
+  for (float x : vd) max_v = std::max(max_v, std::fabs(double(x)));
+  for (std::size_t n = 0; n < n_out; ++n) {
+    ASSERT_EQ(std::isnan(fused[n]), std::isnan(ref[n])) << c.describe() << " element " << n;
+    if (std::isnan(ref[n])) continue;
+    err_fused = std::max(err_fused, std::fabs(fused[n] - ref[n]));
+    err_plain = std::max(err_plain, std::fabs(plain[n] - ref[n]));
+  }
+  EXPECT_LE(err_fused, 2 * err_plain + 1e-6 * std::max(1.0, max_v))
+      << c.describe() << " (fused error " << err_fused << ", plain float error " << err_plain << ")";
+  for (std::size_t n = 0; n < ref_lse.size(); ++n) {
+    if (std::isinf(ref_lse[n])) {
+      EXPECT_EQ(fused_lse[n], float(ref_lse[n])) << c.describe() << " lse " << n;
+    } else if (!std::isnan(ref_lse[n])) {
+      EXPECT_NEAR(fused_lse[n], ref_lse[n], 1e-4 * std::max(1.0, std::fabs(ref_lse[n]))) << c.describe() << " lse " << n;
+    }
+  }
+}
+
+/// A random case: shapes from the given lists, options switched on at random.
+Case random_case(std::mt19937& rng, const std::vector<Index>& dims, Index max_len) {
+  auto pick = [&](Index lo, Index hi) { return std::uniform_int_distribution<Index>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  Case c;
+  c.D = dims[static_cast<std::size_t>(pick(0, static_cast<Index>(dims.size()) - 1))];
+  c.Dv = coin(0.7) ? c.D : dims[static_cast<std::size_t>(pick(0, static_cast<Index>(dims.size()) - 1))];
+  const Index groups[] = {1, 1, 2, 4, 8};
+  c.Hkv = pick(1, 2);
+  c.Hq = c.Hkv * groups[pick(0, 4)];
+  if (coin(0.15)) c.Hkv = 1;  // MQA
+  c.B = pick(1, 2);
+  c.Sq = coin(0.2) ? pick(0, 3) : pick(1, max_len);
+  c.Skv = coin(0.1) ? pick(0, 2) : pick(1, max_len);
+  c.bshd = coin(0.5);
+  auto& o = c.options;
+  o.causal = coin(0.5);
+  o.alignment = coin(0.5) ? qkv::CausalAlignment::bottom_right : qkv::CausalAlignment::top_left;
+  if (coin(0.3)) o.window_left = pick(0, 40);
+  if (coin(0.2)) o.window_right = pick(0, 40);
+  if (coin(0.15)) o.global_tokens = pick(1, 8);
+  if (coin(0.15)) o.softcap = 5.0f;
+  if (coin(0.15)) o.scale = 0.3f;
+  if (coin(0.2)) {
+    for (Index b = 0; b < c.B; ++b) o.key_lengths.push_back(pick(0, c.Skv));
+  }
+  if (coin(0.15)) {
+    for (Index h = 0; h < c.Hq; ++h) o.alibi_slopes.push_back(std::ldexp(1.0f, -static_cast<int>(h + 1)));
+  }
+  if (coin(0.15)) {
+    for (Index h = 0; h < c.Hq; ++h) o.sinks.push_back(static_cast<float>(pick(-3, 3)));
+  }
+  if (coin(0.15)) {  // bias [1, Hq, Sq, Skv] with some −∞
+    c.bias.resize(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv));
+    std::normal_distribution<float> normal;
+    for (auto& x : c.bias) x = coin(0.1) ? -std::numeric_limits<float>::infinity() : normal(rng);
+    o.bias = qkv::TensorView4<const float>(c.bias.data(), {1, c.Hq, c.Sq, c.Skv});
+  }
+  if (coin(0.15)) {  // allowed [B, 1, 1, Skv]
+    c.allowed.resize(static_cast<std::size_t>(c.B * c.Skv));
+    for (auto& x : c.allowed) x = coin(0.8) ? 1 : 0;
+    o.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(c.allowed.data()), {c.B, 1, 1, c.Skv});
+  }
+  if (c.allowed.empty() && c.bias.empty() && o.key_lengths.empty() && coin(0.15)) {  // varlen batch of 3
+    c.B = 1;
+    o.cu_seqlens_q = {0};
+    o.cu_seqlens_k = {0};
+    for (int s = 0; s < 3; ++s) {
+      o.cu_seqlens_q.push_back(o.cu_seqlens_q.back() + pick(0, max_len / 2));
+      o.cu_seqlens_k.push_back(o.cu_seqlens_k.back() + pick(0, max_len / 2));
+    }
+    c.Sq = o.cu_seqlens_q.back();
+    c.Skv = o.cu_seqlens_k.back();
+  }
+  return c;
+}
+
+struct FusedGrid : ::testing::TestWithParam<int> {};
+
+TEST_P(FusedGrid, QuickSlice) {
+  std::mt19937 rng(static_cast<unsigned>(1000 + GetParam()));
+  const std::vector<Index> dims = {1, 3, 8, 15, 16, 33, 64, 80};
+  for (int trial = 0; trial < 6; ++trial) {
+    Case c = random_case(rng, dims, 300);
+    check_case(c, static_cast<unsigned>(GetParam() * 100 + trial));
+    if (HasFailure()) return;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, FusedGrid, ::testing::Range(0, 16));
+
+TEST(FusedGridFull, WholeGrid) {
+  if (std::getenv("QKV_FUSED_FULL") == nullptr) GTEST_SKIP() << "set QKV_FUSED_FULL=1 (ctest label full)";
+  std::mt19937 rng(77);
+  const std::vector<Index> dims = {1, 3, 8, 15, 16, 33, 64, 80, 96, 128, 256};
+  for (int trial = 0; trial < 400; ++trial) {
+    Case c = random_case(rng, dims, 1000);
+    check_case(c, static_cast<unsigned>(trial));
+    if (HasFailure()) return;
+  }
+}
+
+TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {
+  // Decoding shape (Sq = 1, GQA 8/2, Skv = 5000 > one split chunk): split-K merge vs the reference.
+  Case c;
+  c.Hq = 8;
+  c.Hkv = 2;
+  c.Sq = 1;
+  c.Skv = 5000;
+  c.D = c.Dv = 64;
+  c.options.causal = true;
+  check_case(c, 5);
+  // NaN in hidden K/V slots: past key_lengths (not read) and under a false `allowed`.
+  Case d;
+  d.B = 1;
+  d.Sq = 5;
+  d.Skv = 40;
+  d.D = d.Dv = 16;
+  d.allowed.assign(40, 1);
+  d.allowed[7] = 0;
+  d.options.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(d.allowed.data()), {1, 1, 1, 40});
+  d.options.key_lengths = {30};
+  std::vector<float> q(5 * 16, 0.5f), k(40 * 16, 0.25f), v(40 * 16, 1.0f), out(5 * 16, 0.0f);
+  for (Index dd = 0; dd < 16; ++dd) {
+    k[static_cast<std::size_t>(7 * 16 + dd)] = v[static_cast<std::size_t>(7 * 16 + dd)] = std::nanf("");
+    k[static_cast<std::size_t>(35 * 16 + dd)] = v[static_cast<std::size_t>(35 * 16 + dd)] = std::nanf("");
+  }
+  d.options.backend = qkv::Backend::fused;
+  qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, 1, 5, 16), qkv::view_bhsd<const float>(k.data(), 1, 1, 40, 16),
+                 qkv::view_bhsd<const float>(v.data(), 1, 1, 40, 16), qkv::view_bhsd(out.data(), 1, 1, 5, 16),
+                 d.options);
+  for (float x : out) EXPECT_FLOAT_EQ(x, 1.0f);  // mean of the visible (all-one) values
+}
+
+TEST(Fused, DecodeShapesWithEveryOption) {
+  // Sq·G ≤ 16 reads K in place; long key ranges split into chunks. Every option, several seeds.
+  std::mt19937 rng(4242);
+  const std::vector<Index> dims = {3, 16, 64, 80, 128};
+  for (int trial = 0; trial < 24; ++trial) {
+    Case c = random_case(rng, dims, 3000);
+    c.Sq = std::uniform_int_distribution<Index>(1, 2)(rng);
+    if (!c.options.cu_seqlens_q.empty()) {
+      c.options.cu_seqlens_q = {0, 1, 1, 2};
+      c.Sq = 2;
+    }
+    if (!c.bias.empty()) {  // rebuild the bias for the new Sq
+      c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.5f);
+      c.bias[0] = -std::numeric_limits<float>::infinity();
+      c.options.bias = qkv::TensorView4<const float>(c.bias.data(), {1, c.Hq, c.Sq, c.Skv});
+    }
+    check_case(c, static_cast<unsigned>(trial));
+    if (HasFailure()) return;
+  }
+}
+
+/// Runs a prefill and a decode shape with the given thread count; returns the outputs concatenated.
+std::vector<float> run_with_threads(int threads) {
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+  std::vector<float> result;
+  for (Index sq : {Index(300), Index(1)}) {
+    const Index Hq = 8, Hkv = 2, Skv = 4500, D = 64;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> normal;
+    std::vector<float> q(static_cast<std::size_t>(Hq * sq * D)), k(static_cast<std::size_t>(Hkv * Skv * D)),
+        v(k.size()), out(static_cast<std::size_t>(Hq * sq * D));
+    for (auto* x : {&q, &k, &v})
+      for (auto& e : *x) e = normal(rng);
+    qkv::AttentionOptions<float> o;
+    o.causal = true;
+    o.backend = qkv::Backend::fused;
+    qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, Hq, sq, D), qkv::view_bhsd<const float>(k.data(), 1, Hkv, Skv, D),
+                   qkv::view_bhsd<const float>(v.data(), 1, Hkv, Skv, D), qkv::view_bhsd(out.data(), 1, Hq, sq, D), o);
+    result.insert(result.end(), out.begin(), out.end());
+  }
+  return result;
+}
+
+TEST(Fused, BitIdenticalForAnyThreadCount) {
+  const auto one = run_with_threads(1);
+  const auto two = run_with_threads(2);
+  const auto three = run_with_threads(3);
+  ASSERT_EQ(one.size(), two.size());
+  for (std::size_t n = 0; n < one.size(); ++n) {
+    ASSERT_EQ(std::memcmp(&one[n], &two[n], sizeof(float)), 0) << n;
+    ASSERT_EQ(std::memcmp(&one[n], &three[n], sizeof(float)), 0) << n;
+  }
+}
+
+TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
+  // T = 4096, 2 heads, D = 64: Sq·Skv floats per head would be 64 MiB; K, Q, V, out are 2 MiB each.
+  const Index T = 4096, H = 2, D = 64;
+  std::vector<float> q(static_cast<std::size_t>(H * T * D), 0.01f), k(q.size(), 0.02f), v(q.size(), 1.0f), out(q.size());
+  qkv::AttentionOptions<float> o;
+  o.backend = qkv::Backend::fused;
+  g_allocated_bytes = g_largest_allocation = 0;
+  g_counting = true;
+  qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, T, D), qkv::view_bhsd<const float>(k.data(), 1, H, T, D),
+                 qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), o);
+  g_counting = false;
+  const std::size_t kv_bytes = k.size() * sizeof(float);
+  // Packed K (the size of K) plus per-thread scratch (a few hundred KiB): O(T·D), far below one T × T matrix.
+  EXPECT_LE(g_allocated_bytes, kv_bytes + (std::size_t(4) << 20)) << "allocated " << g_allocated_bytes;
+  EXPECT_LT(g_largest_allocation, std::size_t(T) * std::size_t(T) * sizeof(float) / 16);
+  EXPECT_NEAR(out[0], 1.0f, 1e-6f);
+}
+
+}  // namespace

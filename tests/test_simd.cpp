@@ -1,0 +1,126 @@
+// Tests of include/qkv/simd/: every op of every tag the build enables (scalar always; AVX2 with
+// -march=x86-64-v3 or native on an AVX2 machine; AVX-512 with -march=x86-64-v4) against its scalar definition,
+// and the vectorized exp's error bound over a dense sweep against double-precision exp.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "qkv/simd/simd.hpp"
+
+namespace {
+
+using Tags = ::testing::Types<qkv::simd::ScalarTag
+#if defined(__AVX2__) && defined(__FMA__)
+                              ,
+                              qkv::simd::Avx2Tag
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+                              ,
+                              qkv::simd::Avx512Tag
+#endif
+                              >;
+
+template <class Tag>
+struct Simd : ::testing::Test {};
+TYPED_TEST_SUITE(Simd, Tags, );
+
+/// Applies `exp` of the tag to `x` lane by lane, a full vector at a time.
+template <class Tag>
+std::vector<float> vector_exp(const std::vector<float>& x) {
+  constexpr int L = Tag::kLanes;
+  std::vector<float> y(x.size());
+  std::size_t n = 0;
+  for (; n + L <= x.size(); n += L) qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp(Tag(), qkv::simd::load(Tag(), x.data() + n)));
+  for (; n < x.size(); ++n) {
+    float lane[L] = {};
+    lane[0] = x[n];
+    qkv::simd::store(Tag(), lane, qkv::simd::exp(Tag(), qkv::simd::load(Tag(), lane)));
+    y[n] = lane[0];
+  }
+  return y;
+}
+
+/// Distance in units in the last place between a float result and the exact value.
+double ulp_error(float got, double exact) {
+  const float rounded = static_cast<float>(exact);
+  const double ulp = std::nextafter(rounded, std::numeric_limits<float>::infinity()) - rounded;
+  return std::fabs(double(got) - exact) / ulp;
+}
+
+TYPED_TEST(Simd, ExpWithinTwoUlpOnTheSoftmaxRange) {
+  // Dense sweep of [−87.3, 0]: every 2^-12 below −8, every float step of 2^-20 near 0 (about 400 000 points).
+  std::vector<float> x;
+  for (double v = -87.3; v < -8.0; v += 1.0 / 4096) x.push_back(static_cast<float>(v));
+  for (double v = -8.0; v <= 0.0; v += 1.0 / 1048576 * 16) x.push_back(static_cast<float>(v));
+  const auto y = vector_exp<TypeParam>(x);
+  double worst = 0;
+  float worst_x = 0;
+  for (std::size_t n = 0; n < x.size(); ++n) {
+    const double e = ulp_error(y[n], std::exp(double(x[n])));
+    if (e > worst) worst = e, worst_x = x[n];
+  }
+  EXPECT_LE(worst, 2.0) << "worst at x = " << worst_x;
+  this->RecordProperty("max_ulp", std::to_string(worst));
+}
+
+TYPED_TEST(Simd, ExpEdgeValues) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> x = {-inf, -1e30f, -104.0f, -88.0f, -87.5f, 0.0f, -0.0f, std::nanf(""), 1.0f, 88.0f, 89.0f, inf};
+  const auto y = vector_exp<TypeParam>(x);
+  EXPECT_EQ(y[0], 0.0f);  // exactly 0 for −∞
+  for (int n = 1; n <= 4; ++n) {
+    EXPECT_GE(y[static_cast<std::size_t>(n)], 0.0f) << x[static_cast<std::size_t>(n)];  // below the range: in [0, FLT_MIN]
+    EXPECT_LE(y[static_cast<std::size_t>(n)], FLT_MIN) << x[static_cast<std::size_t>(n)];
+  }
+  EXPECT_EQ(y[5], 1.0f);
+  EXPECT_EQ(y[6], 1.0f);
+  EXPECT_TRUE(std::isnan(y[7]));  // NaN for NaN
+  EXPECT_LE(ulp_error(y[8], std::exp(1.0)), 2.0);
+  EXPECT_LE(ulp_error(y[9], std::exp(88.0)), 2.0);
+  EXPECT_EQ(y[10], inf);
+  EXPECT_EQ(y[11], inf);
+}
+
+TYPED_TEST(Simd, ArithmeticAndReductionsMatchScalar) {
+  using Tag = TypeParam;
+  constexpr int L = Tag::kLanes;
+  float a[L], b[L], c[L], out[L];
+  for (int n = 0; n < L; ++n) a[n] = 0.5f * float(n) - 3, b[n] = float(n * n) / 7, c[n] = 1.0f / float(n + 1);
+  using namespace qkv::simd;
+  store(Tag(), out, fmadd(load(Tag(), a), load(Tag(), b), load(Tag(), c)));
+  for (int n = 0; n < L; ++n) EXPECT_EQ(out[n], std::fma(a[n], b[n], c[n])) << "fmadd(a, b, c) = a·b + c, rounded once";
+  store(Tag(), out, max(load(Tag(), a), load(Tag(), b)));
+  for (int n = 0; n < L; ++n) EXPECT_EQ(out[n], std::max(a[n], b[n]));
+  store(Tag(), out, sub(add(load(Tag(), a), load(Tag(), b)), mul(load(Tag(), c), set1(Tag(), 2.0f))));
+  for (int n = 0; n < L; ++n) EXPECT_EQ(out[n], (a[n] + b[n]) - c[n] * 2.0f);
+  float expected_max = a[0], expected_sum = 0;
+  for (int n = 0; n < L; ++n) expected_max = std::max(expected_max, a[n]), expected_sum += b[n];
+  EXPECT_EQ(reduce_max(Tag(), load(Tag(), a)), expected_max);
+  EXPECT_NEAR(reduce_sum(Tag(), load(Tag(), b)), expected_sum, 1e-5f * std::fabs(expected_sum));
+  EXPECT_EQ(reduce_sum(Tag(), zero(Tag())), 0.0f);
+}
+
+TYPED_TEST(Simd, PartialLoadsAndStoresTouchOnlyTheirLanes) {
+  using Tag = TypeParam;
+  constexpr int L = Tag::kLanes;
+  for (int n = 0; n < L; ++n) {
+    std::vector<float> source(L, 0.0f), target(L, -1.0f), loaded(L, 0.0f);
+    for (int m = 0; m < L; ++m) source[std::size_t(m)] = float(m + 1);
+    qkv::simd::store(Tag(), loaded.data(), qkv::simd::load_partial(Tag(), source.data(), n));
+    qkv::simd::store_partial(Tag(), target.data(), qkv::simd::load(Tag(), source.data()), n);
+    for (int m = 0; m < L; ++m) {
+      EXPECT_EQ(loaded[std::size_t(m)], m < n ? float(m + 1) : 0.0f) << "lane " << m << " of " << n;
+      EXPECT_EQ(target[std::size_t(m)], m < n ? float(m + 1) : -1.0f) << "lane " << m << " of " << n;
+    }
+  }
+}
+
+TEST(Simd, BestTagNamesTheBuildIsa) { EXPECT_STREQ(qkv::simd::BestTag::kName, qkv::isa_name()); }
+
+}  // namespace
