@@ -5,6 +5,7 @@
 #include "qkv/config.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/mask.hpp"
+#include "qkv/multi_head.hpp"
 #include "qkv/options.hpp"
 #include "qkv/reference.hpp"
 #include "qkv/sdpa.hpp"

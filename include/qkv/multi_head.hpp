@@ -1,0 +1,712 @@
+// qkv/multi_head.hpp — the multi-head attention module: projections W_q, W_k, W_v, W_o with their biases around
+// the core entry point, for self-, cross- and incremental (KV-cache) attention, with GQA/MQA and varlen batches.
+//
+// Rows are tokens and every weight is stored [in, out], so a projection is one matrix product on the right:
+//
+//     Q = X_q·W_q + b_q     (Tq × Hq·head_dim)       head h of Q is columns [h·head_dim, (h+1)·head_dim)
+//     K = X_k·W_k + b_k     (Tk × Hkv·head_dim)      K and V are computed once per kv head, never repeated
+//     V = X_v·W_v + b_v     (Tk × Hkv·head_dim)
+//     O = attention(Q, K, V)                         (Tq × Hq·head_dim, heads side by side: the concatenation)
+//     Y = O·W_o + b_o       (Tq × d_model)
+//
+// The packed matrices Q, K, V and O are handed to `qkv::attention` as zero-copy [1, H, T, head_dim] views (head
+// stride head_dim, row stride H·head_dim): the G = Hq / Hkv query heads of a group read the same K/V memory.
+// With a `KVCache`, K and V live in the cache as [Hkv, capacity, head_dim] and the core reads its first length()
+// rows in place.
+//
+// PyTorch's nn.Linear and nn.MultiheadAttention store weights [out, in] (y = x·Wᵀ + b); the `load_pytorch` loaders
+// transpose them. Mapping of nn.MultiheadAttention's arguments onto `AttentionOptions` (one batch entry n):
+//
+//     attn_mask (bool, True = masked)        ->  allowed = !attn_mask            ([L, S] or, 3-D, [1, H, L, S])
+//     attn_mask (float, added)               ->  bias = attn_mask
+//     key_padding_mask[n] (bool, True = pad) ->  allowed = !key_padding_mask[n]  as a [1, 1, 1, S] view (broadcast);
+//                                                or key_lengths = {S_n} when the padding is on the right
+//     key_padding_mask[n] (float, added)     ->  bias row [1, 1, 1, S]
+//     both boolean masks                     ->  allowed = !(attn_mask | key_padding_mask[n])
+//     is_causal / a triangular attn_mask     ->  causal = true, alignment = CausalAlignment::top_left
+//                                                (identical to the default bottom_right when L = S)
+//     need_weights, average_attn_weights     ->  attention_weights(X_q, X_kv, head) per head (and their mean)
+//     batch_first, a batch of N              ->  one forward per entry, or a varlen batch (cu_seqlens / a list)
+//     dropout, add_bias_kv, add_zero_attn    ->  not supported (forward pass without dropout)
+//
+// A row whose keys are all masked is NaN in PyTorch 1.13; here its attention output is zeros, so Y's row is b_o.
+//
+// Sources: seed 002 §2.1 (the projections W_Q, W_K, W_V of one input), §3.3 (the output projection W_O and the
+// residual around it), §4.1 and §4.3 (h heads of d_model / h, computed packed, concatenated, projected); seed 000
+// §2.4.6 (shapes, the GQA / MQA paragraph) and §2.4.7 (attention weights are a debugging signal, not an
+// explanation); PyTorch's nn.MultiheadAttention (weights, masks, defaults); Ainslie et al. 2023 (GQA).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/config.hpp"
+#include "qkv/errors.hpp"
+#include "qkv/options.hpp"
+#include "qkv/sdpa.hpp"
+#include "qkv/tensor_view.hpp"
+
+namespace qkv {
+
+template <class Scalar>
+class MultiHeadAttention;
+
+namespace detail {
+
+/// Test seam (internal, not API): when `callback` is set, `MultiHeadAttention` calls it with the q, k and v views it
+/// is about to hand to `qkv::attention`, so a test can check which memory the core reads (GQA reads K/V once per kv
+/// head, no copies). Set it only while no other thread runs the module.
+template <class Scalar>
+struct MultiHeadCoreObserver {
+  using Callback = void (*)(const TensorView4<const Scalar>& q, const TensorView4<const Scalar>& k,
+                            const TensorView4<const Scalar>& v, void* context);
+  static inline Callback callback = nullptr;
+  static inline void* context = nullptr;
+};
+
+/// A packed-heads matrix (T × H·D, row-major, dense) as a zero-copy [1, H, T, D] view.
+template <class T>
+TensorView4<T> packed_heads_view(T* data, Index rows, Index heads, Index head_dim) {
+  const Index ld = heads * head_dim;
+  return TensorView4<T>(data, {1, heads, rows, head_dim}, {rows * ld, head_dim, ld, 1});
+}
+
+/// Varlen offsets `cu` over `rows` rows: cu[0] = 0, non-decreasing, last = rows.
+inline void check_module_cu_seqlens(const char* function, const char* name, const std::vector<Index>& cu, Index rows,
+                                    const char* rows_of) {
+  if (cu.empty()) return;
+  check_shape(cu.front() == 0, function, ": ", name, "[0] is ", cu.front(), ", expected 0");
+  for (std::size_t b = 1; b < cu.size(); ++b) {
+    check_shape(cu[b] >= cu[b - 1], function, ": ", name, " decreases at ", b, ": ", name, "[", b - 1,
+                "] = ", cu[b - 1], " > ", name, "[", b, "] = ", cu[b]);
+  }
+  check_shape(cu.back() == rows, function, ": ", name, " ends at ", cu.back(), ", expected ", rows, " (the rows of ",
+              rows_of, ")");
+}
+
+template <class Derived>
+constexpr void check_module_scalar() {
+  using S = typename Derived::Scalar;
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "qkv: the scalar type must be float or double");
+}
+
+}  // namespace detail
+
+/// The keys and values of one sequence's past tokens, for incremental decoding with `MultiHeadAttention::forward(X_new,
+/// cache)`: K and V stored as [Hkv, capacity, head_dim] (one contiguous [capacity, head_dim] block per kv head), of
+/// which the first `length()` rows of each head are filled.
+///
+/// Shapes: `append` takes packed-heads K_new and V_new (T_new × Hkv·head_dim, head h in columns
+/// [h·head_dim, (h+1)·head_dim), the layout X·W_k + b_k has); `keys()` and `values()` view the filled rows as
+/// [1, Hkv, length, head_dim] with strides {Hkv·capacity·head_dim, capacity·head_dim, head_dim, 1}.
+/// GQA / MQA: the cache holds n_kv_heads heads, not n_heads: a 32-query / 8-kv-head model stores a quarter of what
+/// multi-head attention would, and every query head of a group reads the same rows.
+/// Edge cases: slots past `length()` are never read (they start as NaN, so a read would show); `clear()` keeps the
+/// memory and sets the length to 0; capacity 0 is allowed (nothing can be appended).
+/// Throws: `shape_error` from the constructor for a negative capacity or head_dim < 1 or n_kv_heads < 1; from
+/// `append` when the column counts are wrong, the row counts of K_new and V_new differ, or length() + T_new exceeds
+/// the capacity (nothing is written then).
+/// Complexity: the constructor allocates 2·Hkv·capacity·head_dim scalars once; `append` copies its rows, O(T_new·Hkv·
+/// head_dim), no allocation; the rest is O(1).
+/// Thread safety: concurrent reads are safe; `append` and `clear` need exclusive access.
+/// Example: see `MultiHeadAttention::forward(X_new, cache, options)` and README.md, "Multi-head attention and
+/// KV-cache decoding".
+/// Source: the KV cache of autoregressive decoding (seed 000 §2.4.6: the cache grows with the kv heads, which is
+/// why GQA / MQA share them); layout as FlashAttention's `k_cache` per head.
+template <class Scalar>
+class KVCache {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "qkv::KVCache: the scalar type must be float or double");
+
+ public:
+  /// An empty cache for `capacity` tokens of `n_kv_heads` key/value heads of `head_dim` features each.
+  KVCache(Index capacity, Index n_kv_heads, Index head_dim)
+      : capacity_(capacity), n_kv_heads_(n_kv_heads), head_dim_(head_dim) {
+    const char* function = "qkv::KVCache::KVCache";
+    detail::check_shape(capacity >= 0, function, ": capacity is ", capacity, ", expected at least 0");
+    detail::check_shape(n_kv_heads >= 1, function, ": n_kv_heads is ", n_kv_heads, ", expected at least 1");
+    detail::check_shape(head_dim >= 1, function, ": head_dim is ", head_dim, ", expected at least 1");
+    const std::size_t size = static_cast<std::size_t>(n_kv_heads * capacity * head_dim);
+    keys_.assign(size, std::numeric_limits<Scalar>::quiet_NaN());
+    values_.assign(size, std::numeric_limits<Scalar>::quiet_NaN());
+  }
+
+  /// Tokens the cache can hold.
+  Index capacity() const noexcept { return capacity_; }
+  /// Tokens it holds (the rows of each head that `keys()` and `values()` show).
+  Index length() const noexcept { return length_; }
+  Index n_kv_heads() const noexcept { return n_kv_heads_; }
+  Index head_dim() const noexcept { return head_dim_; }
+
+  /// Forgets every token (length 0); keeps the memory. O(1).
+  void clear() noexcept { length_ = 0; }
+
+  /// Appends T_new tokens: K_new and V_new are T_new × Hkv·head_dim packed heads. Throws shape_error (nothing written)
+  /// for wrong column counts, different row counts, or length() + T_new > capacity().
+  template <class DK, class DV>
+  void append(const Eigen::MatrixBase<DK>& K_new, const Eigen::MatrixBase<DV>& V_new) {
+    static_assert(std::is_same_v<typename DK::Scalar, Scalar> && std::is_same_v<typename DV::Scalar, Scalar>,
+                  "qkv::KVCache::append: K_new and V_new must have the cache's scalar type");
+    const char* function = "qkv::KVCache::append";
+    const Index columns = n_kv_heads_ * head_dim_;
+    detail::check_shape(K_new.cols() == columns, function, ": K_new has ", K_new.cols(), " columns, expected ", columns,
+                        " (n_kv_heads ", n_kv_heads_, " × head_dim ", head_dim_, ")");
+    detail::check_shape(V_new.cols() == columns, function, ": V_new has ", V_new.cols(), " columns, expected ", columns,
+                        " (n_kv_heads ", n_kv_heads_, " × head_dim ", head_dim_, ")");
+    detail::check_shape(V_new.rows() == K_new.rows(), function, ": V_new has ", V_new.rows(), " rows, expected ",
+                        K_new.rows(), " (the rows of K_new)");
+    check_room(function, K_new.rows());
+    const Index t_new = K_new.rows();
+    for (Index h = 0; h < n_kv_heads_; ++h) {
+      head_rows(keys_.data(), h, length_, t_new) = K_new.middleCols(h * head_dim_, head_dim_);
+      head_rows(values_.data(), h, length_, t_new) = V_new.middleCols(h * head_dim_, head_dim_);
+    }
+    length_ += t_new;
+  }
+
+  /// The cached keys, [1, Hkv, length, head_dim] (strides {Hkv·capacity·head_dim, capacity·head_dim, head_dim, 1}).
+  TensorView4<const Scalar> keys() const noexcept { return view(keys_.data()); }
+  /// The cached values, same extents and strides as `keys()`.
+  TensorView4<const Scalar> values() const noexcept { return view(values_.data()); }
+
+ private:
+  friend class MultiHeadAttention<Scalar>;
+
+  using HeadMap = Eigen::Map<Matrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+  void check_room(const char* function, Index t_new) const {
+    detail::check_shape(t_new <= capacity_ - length_, function, ": the KV cache overflows: it holds ", length_, " of ",
+                        capacity_, " tokens and ", t_new, " more were appended (", length_ + t_new, " > capacity ",
+                        capacity_, ")");
+  }
+
+  HeadMap head_rows(Scalar* base, Index h, Index first, Index rows) {
+    return HeadMap(base + (h * capacity_ + first) * head_dim_, rows, head_dim_, Eigen::OuterStride<>(head_dim_));
+  }
+
+  TensorView4<const Scalar> view(const Scalar* data) const noexcept {
+    return TensorView4<const Scalar>(data, {1, n_kv_heads_, length_, head_dim_},
+                                     {n_kv_heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1});
+  }
+
+  /// Drops the newest tokens back to `length` (used to undo an append when the attention call after it throws).
+  void truncate(Index length) noexcept { length_ = std::min(length_, length); }
+
+  Index capacity_ = 0;
+  Index n_kv_heads_ = 1;
+  Index head_dim_ = 1;
+  Index length_ = 0;
+  std::vector<Scalar> keys_;    ///< [Hkv, capacity, head_dim]
+  std::vector<Scalar> values_;  ///< [Hkv, capacity, head_dim]
+};
+
+/// Multi-head attention with its projections (PyTorch's nn.MultiheadAttention, forward pass without dropout), with
+/// grouped-query (GQA) and multi-query (MQA) heads, varlen batches and incremental decoding with a `KVCache`:
+///
+///     Y = concat_h(softmax(Q_h·K_{h/G}ᵀ·scale + masks)·V_{h/G})·W_o + b_o,
+///     Q = X_q·W_q + b_q,  K = X_k·W_k + b_k,  V = X_v·W_v + b_v,   G = n_heads / n_kv_heads.
+///
+/// Shapes (rows are tokens; every weight is stored [in, out]):
+///   W_q d_model × n_heads·head_dim,   W_k kdim × n_kv_heads·head_dim,   W_v vdim × n_kv_heads·head_dim,
+///   W_o n_heads·head_dim × d_model;   b_q n_heads·head_dim, b_k and b_v n_kv_heads·head_dim, b_o d_model
+///   (each bias has 0 entries when Config::bias is false). X_q Tq × d_model, X_k Tk × kdim, X_v Tk × vdim → Y Tq ×
+///   d_model.
+/// GQA: query head h (columns [h·head_dim, (h+1)·head_dim) of Q) reads key/value head h / G; n_kv_heads = n_heads is
+///   multi-head attention, 1 is multi-query attention. K and V are projected once per kv head and the G query heads
+///   of a group read the same memory (no repeated copy, unlike PyTorch's repeat_interleave formulation).
+/// Options: every field of `AttentionOptions` passes through to `qkv::attention` with B = 1 (`key_lengths` has one
+///   entry; `allowed` and `bias` are [1, n_heads or 1, Tq or 1, Tk] views). Default scale 1/√head_dim, as PyTorch.
+///   The default causal alignment is bottom-right, PyTorch's `is_causal` is top-left: they agree when Tq = Tk.
+///   PyTorch's boolean masks mean True = masked, the opposite of `allowed` (see the table at the top of this file).
+/// Members: the weights are public and zero after construction; set them directly or with a loader. Every call checks
+///   their shapes (O(1)) and throws `shape_error` if a weight was assigned a wrong shape.
+/// Thread safety: the const members may run concurrently; changing weights while another thread runs a forward is a
+///   data race.
+/// Example: examples/real_layer.cpp (a pretrained PP-OCRv4 layer); README.md, "Multi-head attention and KV-cache
+///   decoding" (a decode loop).
+/// Source: Vaswani et al. 2017 §3.2.2; seed 002 §2.1, §3.3, §4.1, §4.3; seed 000 §2.4.6 (GQA / MQA); PyTorch's
+///   nn.MultiheadAttention; Ainslie et al. 2023 (GQA), Shazeer 2019 (MQA).
+template <class Scalar>
+class MultiHeadAttention {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "qkv::MultiHeadAttention: the scalar type must be float or double");
+
+ public:
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+
+  /// The module's sizes, set field by field (C++17 aggregate: designated initializers are C++20):
+  ///
+  ///     qkv::MultiHeadAttention<float>::Config config;
+  ///     config.d_model = 4096;  config.n_heads = 32;  config.n_kv_heads = 8;   // Llama-style GQA, head_dim 128
+  struct Config {
+    Index d_model = 0;     ///< model width: the columns of X_q and of Y
+    Index n_heads = 1;     ///< query heads, Hq
+    Index n_kv_heads = 0;  ///< key/value heads, Hkv; 0 = n_heads; must divide n_heads
+    Index head_dim = 0;    ///< features per head; 0 = d_model / n_heads, which must then divide
+    Index kdim = 0;        ///< columns of the key input X_k; 0 = d_model (PyTorch's kdim, for cross-attention)
+    Index vdim = 0;        ///< columns of the value input X_v; 0 = d_model (PyTorch's vdim)
+    bool bias = true;      ///< whether b_q, b_k, b_v, b_o exist (PyTorch's bias)
+  };
+
+  /// Builds the module with every weight and bias zero. `config()` then returns the resolved sizes (no 0 left).
+  /// Throws shape_error when d_model < 1, n_heads < 1, n_kv_heads < 0 or not dividing n_heads, head_dim < 0, head_dim
+  /// = 0 with n_heads not dividing d_model, or kdim / vdim < 0. Allocates the four weight matrices.
+  explicit MultiHeadAttention(const Config& config) : config_(resolve(config)) {
+    const Index q_out = config_.n_heads * config_.head_dim, kv_out = config_.n_kv_heads * config_.head_dim;
+    const Index bias_q = config_.bias ? q_out : 0, bias_kv = config_.bias ? kv_out : 0;
+    W_q = Matrix<Scalar>::Zero(config_.d_model, q_out);
+    W_k = Matrix<Scalar>::Zero(config_.kdim, kv_out);
+    W_v = Matrix<Scalar>::Zero(config_.vdim, kv_out);
+    W_o = Matrix<Scalar>::Zero(q_out, config_.d_model);
+    b_q = Vector::Zero(bias_q);
+    b_k = Vector::Zero(bias_kv);
+    b_v = Vector::Zero(bias_kv);
+    b_o = Vector::Zero(config_.bias ? config_.d_model : 0);
+  }
+
+  /// The resolved configuration: n_kv_heads, head_dim, kdim and vdim filled in.
+  const Config& config() const noexcept { return config_; }
+  Index d_model() const noexcept { return config_.d_model; }
+  Index n_heads() const noexcept { return config_.n_heads; }
+  Index n_kv_heads() const noexcept { return config_.n_kv_heads; }
+  Index head_dim() const noexcept { return config_.head_dim; }
+  Index kdim() const noexcept { return config_.kdim; }
+  Index vdim() const noexcept { return config_.vdim; }
+
+  /// Query projection [in = d_model, out = n_heads·head_dim].
+  Matrix<Scalar> W_q;
+  /// Key projection [in = kdim, out = n_kv_heads·head_dim].
+  Matrix<Scalar> W_k;
+  /// Value projection [in = vdim, out = n_kv_heads·head_dim].
+  Matrix<Scalar> W_v;
+  /// Output projection [in = n_heads·head_dim, out = d_model].
+  Matrix<Scalar> W_o;
+  /// Biases (n_heads·head_dim, n_kv_heads·head_dim, n_kv_heads·head_dim, d_model entries; 0 when Config::bias is
+  /// false).
+  Vector b_q, b_k, b_v, b_o;
+
+  // ---- loaders ----------------------------------------------------------------------------------------------------
+
+  /// Loads PyTorch's packed nn.MultiheadAttention parameters (used when kdim = vdim = embed_dim):
+  ///
+  ///     W_q | W_k | W_v = in_proj_weightᵀ (split by columns),  b_q | b_k | b_v = in_proj_bias,
+  ///     W_o = out_proj.weightᵀ,  b_o = out_proj.bias
+  ///
+  /// Shapes: in_proj_weight [(n_heads + 2·n_kv_heads)·head_dim, d_model] (PyTorch's [3·E, E] for multi-head attention:
+  /// rows are outputs, [out, in]), in_proj_bias (n_heads + 2·n_kv_heads)·head_dim entries, out_proj_weight
+  /// [d_model, n_heads·head_dim], out_proj_bias d_model entries; biases have 0 entries when Config::bias is false.
+  /// Any Eigen expression of Scalar binds (e.g. an `Eigen::Map` of a NumPy / PyTorch buffer, row-major).
+  /// Precondition: kdim = vdim = d_model (else use the separate form below).
+  /// Throws: shape_error (nothing changed) for any other shape, naming the argument and both sizes.
+  /// Complexity: O(parameters); reallocates the weights.
+  /// Source: PyTorch nn.MultiheadAttention (`in_proj_weight`, `in_proj_bias`, `out_proj`).
+  template <class DW, class DB, class DO, class DOB>
+  void load_pytorch(const Eigen::MatrixBase<DW>& in_proj_weight, const Eigen::MatrixBase<DB>& in_proj_bias,
+                    const Eigen::MatrixBase<DO>& out_proj_weight, const Eigen::MatrixBase<DOB>& out_proj_bias) {
+    check_scalar<DW>();
+    check_scalar<DB>();
+    check_scalar<DO>();
+    check_scalar<DOB>();
+    const char* function = "qkv::MultiHeadAttention::load_pytorch";
+    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function,
+                        ": the packed in_proj_weight needs kdim = vdim = d_model, but kdim is ", config_.kdim,
+                        ", vdim is ", config_.vdim, " and d_model is ", config_.d_model,
+                        "; use load_pytorch(q_proj_weight, k_proj_weight, v_proj_weight, in_proj_bias, ...)");
+    const Index q_out = q_columns(), kv_out = kv_columns();
+    check_matrix(function, "in_proj_weight", in_proj_weight.rows(), in_proj_weight.cols(), q_out + 2 * kv_out,
+                 config_.d_model, "[(n_heads + 2·n_kv_heads)·head_dim, d_model], PyTorch's [out, in]");
+    check_vector(function, "in_proj_bias", in_proj_bias, config_.bias ? q_out + 2 * kv_out : 0);
+    check_matrix(function, "out_proj_weight", out_proj_weight.rows(), out_proj_weight.cols(), config_.d_model, q_out,
+                 "[d_model, n_heads·head_dim], PyTorch's [out, in]");
+    check_vector(function, "out_proj_bias", out_proj_bias, config_.bias ? config_.d_model : 0);
+    W_q = in_proj_weight.topRows(q_out).transpose();
+    W_k = in_proj_weight.middleRows(q_out, kv_out).transpose();
+    W_v = in_proj_weight.bottomRows(kv_out).transpose();
+    W_o = out_proj_weight.transpose();
+    load_biases(in_proj_bias, out_proj_bias);
+  }
+
+  /// Loads PyTorch's separate nn.MultiheadAttention parameters (its form when kdim or vdim ≠ embed_dim):
+  /// W_q = q_proj_weightᵀ, W_k = k_proj_weightᵀ, W_v = v_proj_weightᵀ, b_q | b_k | b_v = in_proj_bias,
+  /// W_o = out_proj.weightᵀ, b_o = out_proj.bias.
+  ///
+  /// Shapes: q_proj_weight [n_heads·head_dim, d_model], k_proj_weight [n_kv_heads·head_dim, kdim], v_proj_weight
+  /// [n_kv_heads·head_dim, vdim] (PyTorch's [out, in]); in_proj_bias (n_heads + 2·n_kv_heads)·head_dim entries (PyTorch
+  /// keeps one packed bias even here); out_proj_weight [d_model, n_heads·head_dim]; out_proj_bias d_model entries.
+  /// Throws: shape_error (nothing changed) for any other shape. Complexity: O(parameters).
+  /// Source: PyTorch nn.MultiheadAttention (`q_proj_weight`, `k_proj_weight`, `v_proj_weight`,
+  /// `_qkv_same_embed_dim = False`).
+  template <class DQ, class DK, class DV, class DB, class DO, class DOB>
+  void load_pytorch(const Eigen::MatrixBase<DQ>& q_proj_weight, const Eigen::MatrixBase<DK>& k_proj_weight,
+                    const Eigen::MatrixBase<DV>& v_proj_weight, const Eigen::MatrixBase<DB>& in_proj_bias,
+                    const Eigen::MatrixBase<DO>& out_proj_weight, const Eigen::MatrixBase<DOB>& out_proj_bias) {
+    check_scalar<DQ>();
+    check_scalar<DK>();
+    check_scalar<DV>();
+    check_scalar<DB>();
+    check_scalar<DO>();
+    check_scalar<DOB>();
+    const char* function = "qkv::MultiHeadAttention::load_pytorch";
+    const Index q_out = q_columns(), kv_out = kv_columns();
+    check_matrix(function, "q_proj_weight", q_proj_weight.rows(), q_proj_weight.cols(), q_out, config_.d_model,
+                 "[n_heads·head_dim, d_model], PyTorch's [out, in]");
+    check_matrix(function, "k_proj_weight", k_proj_weight.rows(), k_proj_weight.cols(), kv_out, config_.kdim,
+                 "[n_kv_heads·head_dim, kdim], PyTorch's [out, in]");
+    check_matrix(function, "v_proj_weight", v_proj_weight.rows(), v_proj_weight.cols(), kv_out, config_.vdim,
+                 "[n_kv_heads·head_dim, vdim], PyTorch's [out, in]");
+    check_vector(function, "in_proj_bias", in_proj_bias, config_.bias ? q_out + 2 * kv_out : 0);
+    check_matrix(function, "out_proj_weight", out_proj_weight.rows(), out_proj_weight.cols(), config_.d_model, q_out,
+                 "[d_model, n_heads·head_dim], PyTorch's [out, in]");
+    check_vector(function, "out_proj_bias", out_proj_bias, config_.bias ? config_.d_model : 0);
+    W_q = q_proj_weight.transpose();
+    W_k = k_proj_weight.transpose();
+    W_v = v_proj_weight.transpose();
+    W_o = out_proj_weight.transpose();
+    load_biases(in_proj_bias, out_proj_bias);
+  }
+
+  /// Loads a fused [in, out] QKV projection, as exported by Paddle, ONNX graphs and many C++ engines:
+  ///
+  ///     X·W_qkv + b_qkv = [Q | K | V]:  W_q | W_k | W_v = W_qkv (split by columns),  b_q | b_k | b_v = b_qkv
+  ///
+  /// Shapes: W_qkv [d_model, (n_heads + 2·n_kv_heads)·head_dim], b_qkv (n_heads + 2·n_kv_heads)·head_dim entries,
+  /// W_o [n_heads·head_dim, d_model], b_o d_model entries (biases: 0 entries when Config::bias is false).
+  /// Precondition: kdim = vdim = d_model. Throws: shape_error (nothing changed) otherwise or for any other shape.
+  /// Complexity: O(parameters). Example: examples/real_layer.cpp (PP-OCRv4's `linear_77` and `linear_78`).
+  /// Source: the fused `qkv` linear layer of ViT / SVTR / PaddleOCR blocks.
+  template <class DW, class DB, class DO, class DOB>
+  void load_fused_qkv(const Eigen::MatrixBase<DW>& W_qkv, const Eigen::MatrixBase<DB>& b_qkv,
+                      const Eigen::MatrixBase<DO>& W_o_in, const Eigen::MatrixBase<DOB>& b_o_in) {
+    check_scalar<DW>();
+    check_scalar<DB>();
+    check_scalar<DO>();
+    check_scalar<DOB>();
+    const char* function = "qkv::MultiHeadAttention::load_fused_qkv";
+    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function,
+                        ": a fused W_qkv needs kdim = vdim = d_model, but kdim is ", config_.kdim, ", vdim is ",
+                        config_.vdim, " and d_model is ", config_.d_model);
+    const Index q_out = q_columns(), kv_out = kv_columns();
+    check_matrix(function, "W_qkv", W_qkv.rows(), W_qkv.cols(), config_.d_model, q_out + 2 * kv_out,
+                 "[d_model, (n_heads + 2·n_kv_heads)·head_dim], [in, out]");
+    check_vector(function, "b_qkv", b_qkv, config_.bias ? q_out + 2 * kv_out : 0);
+    check_matrix(function, "W_o", W_o_in.rows(), W_o_in.cols(), q_out, config_.d_model, "[n_heads·head_dim, d_model]");
+    check_vector(function, "b_o", b_o_in, config_.bias ? config_.d_model : 0);
+    W_q = W_qkv.leftCols(q_out);
+    W_k = W_qkv.middleCols(q_out, kv_out);
+    W_v = W_qkv.rightCols(kv_out);
+    W_o = W_o_in;
+    load_biases(b_qkv, b_o_in);
+  }
+
+  // ---- forward ----------------------------------------------------------------------------------------------------
+
+  /// Self-attention: Y = MHA(X, X, X). X is T × d_model (any Eigen expression of Scalar; kdim = vdim = d_model);
+  /// Y is T × d_model.
+  ///
+  /// Varlen batch: set `options.cu_seqlens_q` and `options.cu_seqlens_k` (both usually the same offsets, B + 1
+  /// entries from 0 to T) and X holds the sequences one after another; sequence b is rows [cu[b], cu[b+1]) and never
+  /// sees another sequence. The projections are row-wise, so the concatenation is projected in one product and
+  /// nothing is padded. `forward(sequences, options)` below does the concatenation for a list.
+  /// Edge cases: T = 0 gives a 0 × d_model result; a row that sees no key (masks) gets Y = b_o.
+  /// Throws: shape_error when X does not have d_model columns, a weight has the wrong shape, the cu_seqlens do not
+  /// start at 0, decrease, or do not end at T, or for anything `qkv::attention` rejects; unsupported_error as the core.
+  /// Complexity: O(T·d_model·(Hq + 2·Hkv)·head_dim) for the projections, O(Hq·T²·head_dim) for attention (less with
+  /// causal, window or varlen masks); allocates Q, K, V, the attention output and Y.
+  /// Example: `Y = mha.forward(X);`  with causal masking: `options.causal = true; Y = mha.forward(X, options);`
+  /// Source: PyTorch nn.MultiheadAttention(query = key = value = X); seed 002 §4.1.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X,
+                         const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DX>();
+    return forward_impl("qkv::MultiHeadAttention::forward", X.derived(), "X", X.derived(), "X", X.derived(), "X",
+                        options);
+  }
+
+  /// Cross-attention: queries from X_q (Tq × d_model), keys and values from one sequence X_kv (Tk × kdim, with
+  /// kdim = vdim), as a decoder attends to an encoder's output. Y is Tq × d_model. Varlen: cu_seqlens_q over the rows
+  /// of X_q, cu_seqlens_k over the rows of X_kv. Throws, complexity and edge cases as the self-attention form (Tk = 0
+  /// gives Y rows equal to b_o).
+  /// Source: PyTorch nn.MultiheadAttention(query = X_q, key = value = X_kv); seed 002 §2.1 (cross attention).
+  template <class DQ, class DKV>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DKV>& X_kv,
+                         const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DQ>();
+    check_scalar<DKV>();
+    return forward_impl("qkv::MultiHeadAttention::forward", X_q.derived(), "X_q", X_kv.derived(), "X_kv",
+                        X_kv.derived(), "X_kv", options);
+  }
+
+  /// Attention with different key and value inputs: X_q Tq × d_model, X_k Tk × kdim, X_v Tk × vdim (PyTorch's kdim
+  /// ≠ vdim case). Y is Tq × d_model. Throws shape_error when X_k and X_v have different row counts, or as above.
+  /// Source: PyTorch nn.MultiheadAttention(query, key, value) with kdim, vdim.
+  template <class DQ, class DK, class DV>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DK>& X_k,
+                         const Eigen::MatrixBase<DV>& X_v,
+                         const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DQ>();
+    check_scalar<DK>();
+    check_scalar<DV>();
+    return forward_impl("qkv::MultiHeadAttention::forward", X_q.derived(), "X_q", X_k.derived(), "X_k", X_v.derived(),
+                        "X_v", options);
+  }
+
+  /// Self-attention over a batch of sequences of different lengths (each T_b × d_model), returned in the same order.
+  /// The sequences are concatenated (a copy of the input, no padding) and run as one varlen call (cu_seqlens = the
+  /// running row counts): sequence b sees only its own keys. `options` applies to every sequence (e.g. causal) and
+  /// must not set cu_seqlens itself, nor `key_lengths`, `allowed` or `bias` (not combinable with varlen).
+  /// Throws: shape_error when a sequence does not have d_model columns, or options set cu_seqlens, or as `forward(X)`.
+  /// Complexity: as `forward(X)` on the concatenation, plus O(Σ T_b·d_model) copies in and out.
+  /// Source: FlashAttention's flash_attn_varlen_func (packed sequences, cu_seqlens).
+  std::vector<Matrix<Scalar>> forward(const std::vector<Matrix<Scalar>>& sequences,
+                                      const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    const char* function = "qkv::MultiHeadAttention::forward";
+    detail::check_shape(options.cu_seqlens_q.empty() && options.cu_seqlens_k.empty(), function,
+                        ": options.cu_seqlens_q/k are set (", options.cu_seqlens_q.size(), " and ",
+                        options.cu_seqlens_k.size(), " entries), expected none: the list of sequences defines them");
+    std::vector<Index> cu{0};
+    for (std::size_t b = 0; b < sequences.size(); ++b) {
+      detail::check_shape(sequences[b].cols() == config_.d_model, function, ": sequences[", b, "] has ",
+                          sequences[b].cols(), " columns, expected d_model ", config_.d_model);
+      cu.push_back(cu.back() + sequences[b].rows());
+    }
+    Matrix<Scalar> X(cu.back(), config_.d_model);
+    for (std::size_t b = 0; b < sequences.size(); ++b) X.middleRows(cu[b], sequences[b].rows()) = sequences[b];
+    AttentionOptions<Scalar> varlen = options;
+    varlen.cu_seqlens_q = cu;
+    varlen.cu_seqlens_k = cu;
+    const Matrix<Scalar> Y = forward_impl(function, X, "X", X, "X", X, "X", varlen);
+    std::vector<Matrix<Scalar>> outputs(sequences.size());
+    for (std::size_t b = 0; b < sequences.size(); ++b) outputs[b] = Y.middleRows(cu[b], sequences[b].rows());
+    return outputs;
+  }
+
+  /// Incremental (KV-cache) self-attention: appends the keys and values of the T_new new tokens X_new
+  /// (T_new × d_model) to `cache`, then lets the new tokens attend over everything cached (length L after the append):
+  ///
+  ///     Y = MHA(X_new, cache[0 .. L)),   causal, bottom-right: new token i sees cached keys j ≤ L − T_new + i
+  ///
+  /// whatever `options.causal` and `options.alignment` say (the other options apply: window, ALiBi, softcap, sinks,
+  /// scale, key_lengths ≤ L, `allowed` / `bias` of extents [1, Hq or 1, T_new or 1, L]). Feeding a sequence token by
+  /// token, or in chunks (chunked prefill), gives the rows of one causal `forward(X, options)` over the whole sequence,
+  /// within 1e-5·max(1, max|Y|) in float (tested for MHA, GQA 32/8 and MQA).
+  /// Shapes: cache of n_kv_heads() heads of head_dim() (e.g. `make_cache(capacity)`); Y is T_new × d_model.
+  /// Precondition: kdim = vdim = d_model (K and V come from X_new).
+  /// Edge cases: slots past the cache's length are never read; T_new = 0 appends nothing and returns 0 × d_model.
+  /// Throws: shape_error when X_new does not have d_model columns, the cache's heads or head_dim differ from the
+  /// module's, length + T_new exceeds the capacity (the cache is left unchanged), or as `qkv::attention` (the append is
+  /// then undone).
+  /// Complexity: O(T_new·d_model·(Hq + 2·Hkv)·head_dim) projections + O(Hq·T_new·L·head_dim) attention; the cache is
+  /// read in place (no copy of the past keys); allocates O(T_new·d_model).
+  /// Thread safety: needs exclusive access to `cache`; distinct caches may run concurrently on one module.
+  /// Example:
+  ///
+  ///     qkv::KVCache<float> cache = mha.make_cache(max_tokens);
+  ///     for (qkv::Index t = 0; t < X.rows(); ++t) Y.row(t) = mha.forward(X.row(t), cache);
+  ///
+  /// Source: autoregressive decoding with a KV cache (FlashAttention's flash_attn_with_kvcache: bottom-right causal);
+  /// seed 000 §2.4.6.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X_new, KVCache<Scalar>& cache,
+                         const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DX>();
+    const char* function = "qkv::MultiHeadAttention::forward";
+    check_weights(function);
+    check_shape_input(function, "X_new", X_new.cols(), config_.d_model, "d_model");
+    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function,
+                        ": decoding with a KV cache projects keys and values from X_new, which needs kdim = vdim = "
+                        "d_model, but kdim is ",
+                        config_.kdim, ", vdim is ", config_.vdim, " and d_model is ", config_.d_model);
+    detail::check_shape(cache.n_kv_heads() == config_.n_kv_heads && cache.head_dim() == config_.head_dim, function,
+                        ": the cache has ", cache.n_kv_heads(), " kv heads of ", cache.head_dim(),
+                        " features, expected n_kv_heads ", config_.n_kv_heads, " of head_dim ", config_.head_dim);
+    cache.check_room(function, X_new.rows());
+
+    const Matrix<Scalar> Q = project(X_new.derived(), W_q, b_q);
+    const Index old_length = cache.length();
+    cache.append(project(X_new.derived(), W_k, b_k), project(X_new.derived(), W_v, b_v));
+    struct Undo {  // undoes the append if the attention call throws
+      KVCache<Scalar>& cache;
+      Index length;
+      bool committed = false;
+      ~Undo() {
+        if (!committed) cache.truncate(length);
+      }
+    } undo{cache, old_length};
+
+    AttentionOptions<Scalar> causal = options;
+    causal.causal = true;
+    causal.alignment = CausalAlignment::bottom_right;
+    Matrix<Scalar> Y = attend(Q, cache.keys(), cache.values(), causal);
+    undo.committed = true;
+    return Y;
+  }
+
+  /// A cache for this module: `KVCache<Scalar>(capacity, n_kv_heads(), head_dim())`. Allocates 2·Hkv·capacity·head_dim
+  /// scalars. Throws shape_error for a negative capacity.
+  KVCache<Scalar> make_cache(Index capacity) const {
+    return KVCache<Scalar>(capacity, config_.n_kv_heads, config_.head_dim);
+  }
+
+  /// The Tq × Tk attention weights P of query head `head`, for inspection (seed 000 §2.4.7: a debugging signal, not an
+  /// explanation): P = softmax(Q_h·K_{h/G}ᵀ·scale + masks) with Q = X_q·W_q + b_q and K = X_kv·W_k + b_k.
+  ///
+  /// Shapes: X_q Tq × d_model, X_kv Tk × kdim (only the keys are needed, so this also serves kdim ≠ vdim); head in
+  /// [0, n_heads). Row i sums to 1 over its visible keys (1 − p_sink with sinks) and is exactly 0 at hidden keys; a row
+  /// that sees no key is all zeros (NaN in PyTorch 1.13). PyTorch's need_weights with average_attn_weights = True is
+  /// the mean of these matrices over the heads; average_attn_weights = False gives them one by one. With varlen options
+  /// the result is block diagonal (sequence b's block at rows cu_q[b].., columns cu_k[b]..).
+  /// Computed by the reference path in double (as `qkv::attention_weights`).
+  /// Throws: shape_error for a head outside [0, n_heads), wrong input columns or weights, or as
+  /// `qkv::attention_weights`. Complexity: O((Tq·d_model + Tk·kdim)·heads·head_dim) projections + O(Tq·Tk·head_dim);
+  /// allocates O(Tq·Tk). Source: PyTorch nn.MultiheadAttention's attn_output_weights; seed 000 §2.4.7.
+  template <class DQ, class DKV>
+  Matrix<Scalar> attention_weights(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DKV>& X_kv, Index head,
+                                   const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DQ>();
+    check_scalar<DKV>();
+    const char* function = "qkv::MultiHeadAttention::attention_weights";
+    check_weights(function);
+    check_shape_input(function, "X_q", X_q.cols(), config_.d_model, "d_model");
+    check_shape_input(function, "X_kv", X_kv.cols(), config_.kdim, "kdim");
+    detail::check_shape(head >= 0 && head < config_.n_heads, function, ": head is ", head,
+                        ", expected an index in [0, ", config_.n_heads, ") (n_heads)");
+    check_varlen(function, options, X_q.rows(), "X_q", X_kv.rows(), "X_kv");
+    const Matrix<Scalar> Q = project(X_q.derived(), W_q, b_q);
+    const Matrix<Scalar> K = project(X_kv.derived(), W_k, b_k);
+    return qkv::attention_weights(Q, K, Heads{config_.n_heads, config_.n_kv_heads}, head, options);
+  }
+
+ private:
+  template <class D>
+  static constexpr void check_scalar() {
+    detail::check_module_scalar<D>();
+    static_assert(std::is_same_v<typename D::Scalar, Scalar>,
+                  "qkv::MultiHeadAttention: inputs and weights must have the module's scalar type");
+  }
+
+  static Config resolve(Config c) {
+    const char* function = "qkv::MultiHeadAttention";
+    detail::check_shape(c.d_model >= 1, function, ": Config::d_model is ", c.d_model, ", expected at least 1");
+    detail::check_shape(c.n_heads >= 1, function, ": Config::n_heads is ", c.n_heads, ", expected at least 1");
+    detail::check_shape(c.n_kv_heads >= 0, function, ": Config::n_kv_heads is ", c.n_kv_heads,
+                        ", expected 0 (= n_heads) or at least 1");
+    if (c.n_kv_heads == 0) c.n_kv_heads = c.n_heads;
+    detail::check_shape(c.n_heads % c.n_kv_heads == 0, function, ": Config::n_heads ", c.n_heads,
+                        " is not a multiple of Config::n_kv_heads ", c.n_kv_heads,
+                        " (GQA needs n_heads % n_kv_heads == 0)");
+    detail::check_shape(c.head_dim >= 0, function, ": Config::head_dim is ", c.head_dim,
+                        ", expected 0 (= d_model / n_heads) or at least 1");
+    if (c.head_dim == 0) {
+      detail::check_shape(c.d_model % c.n_heads == 0, function, ": Config::d_model ", c.d_model,
+                          " is not divisible by Config::n_heads ", c.n_heads,
+                          " (head_dim = 0 means d_model / n_heads); set Config::head_dim explicitly");
+      c.head_dim = c.d_model / c.n_heads;
+    }
+    detail::check_shape(c.kdim >= 0, function, ": Config::kdim is ", c.kdim, ", expected 0 (= d_model) or at least 1");
+    detail::check_shape(c.vdim >= 0, function, ": Config::vdim is ", c.vdim, ", expected 0 (= d_model) or at least 1");
+    if (c.kdim == 0) c.kdim = c.d_model;
+    if (c.vdim == 0) c.vdim = c.d_model;
+    return c;
+  }
+
+  Index q_columns() const noexcept { return config_.n_heads * config_.head_dim; }
+  Index kv_columns() const noexcept { return config_.n_kv_heads * config_.head_dim; }
+
+  static void check_matrix(const char* function, const char* argument, Index rows, Index cols, Index expected_rows,
+                           Index expected_cols, const char* meaning) {
+    detail::check_shape(rows == expected_rows && cols == expected_cols, function, ": ", argument, " is ", rows, " × ",
+                        cols, ", expected ", expected_rows, " × ", expected_cols, " (", meaning, ")");
+  }
+
+  template <class D>
+  static void check_vector(const char* function, const char* argument, const Eigen::MatrixBase<D>& v, Index expected) {
+    detail::check_shape(v.size() == expected && (v.rows() == 1 || v.cols() == 1 || v.size() == 0), function, ": ",
+                        argument, " is ", v.rows(), " × ", v.cols(), ", expected a vector of ", expected, " entries",
+                        expected == 0 ? " (the module has no biases: Config::bias is false)" : "");
+  }
+
+  static void check_shape_input(const char* function, const char* argument, Index cols, Index expected,
+                                const char* name) {
+    detail::check_shape(cols == expected, function, ": ", argument, " has ", cols, " columns, expected ", name, " ",
+                        expected);
+  }
+
+  template <class DB, class DOB>
+  void load_biases(const Eigen::MatrixBase<DB>& b_qkv, const Eigen::MatrixBase<DOB>& b_out) {
+    const Index q_out = q_columns(), kv_out = kv_columns();
+    if (!config_.bias) return;  // sizes checked: both are empty
+    const Vector packed = b_qkv.derived().reshaped();
+    b_q = packed.head(q_out);
+    b_k = packed.segment(q_out, kv_out);
+    b_v = packed.tail(kv_out);
+    b_o = b_out.derived().reshaped();
+  }
+
+  /// Checks the public weights against the configuration (they may have been assigned any shape).
+  void check_weights(const char* function) const {
+    const Index q_out = q_columns(), kv_out = kv_columns();
+    check_matrix(function, "W_q", W_q.rows(), W_q.cols(), config_.d_model, q_out, "[d_model, n_heads·head_dim]");
+    check_matrix(function, "W_k", W_k.rows(), W_k.cols(), config_.kdim, kv_out, "[kdim, n_kv_heads·head_dim]");
+    check_matrix(function, "W_v", W_v.rows(), W_v.cols(), config_.vdim, kv_out, "[vdim, n_kv_heads·head_dim]");
+    check_matrix(function, "W_o", W_o.rows(), W_o.cols(), q_out, config_.d_model, "[n_heads·head_dim, d_model]");
+    check_vector(function, "b_q", b_q, config_.bias ? q_out : 0);
+    check_vector(function, "b_k", b_k, config_.bias ? kv_out : 0);
+    check_vector(function, "b_v", b_v, config_.bias ? kv_out : 0);
+    check_vector(function, "b_o", b_o, config_.bias ? config_.d_model : 0);
+  }
+
+  static void check_varlen(const char* function, const AttentionOptions<Scalar>& options, Index q_rows,
+                           const char* q_name, Index kv_rows, const char* kv_name) {
+    detail::check_module_cu_seqlens(function, "options.cu_seqlens_q", options.cu_seqlens_q, q_rows, q_name);
+    detail::check_module_cu_seqlens(function, "options.cu_seqlens_k", options.cu_seqlens_k, kv_rows, kv_name);
+  }
+
+  /// X·W + b (b empty: no bias), rows are tokens.
+  template <class DX>
+  static Matrix<Scalar> project(const Eigen::MatrixBase<DX>& X, const Matrix<Scalar>& W, const Vector& b) {
+    Matrix<Scalar> Y(X.rows(), W.cols());
+    Y.noalias() = X * W;
+    if (b.size() > 0) Y.rowwise() += b.transpose();
+    return Y;
+  }
+
+  template <class DQ, class DK, class DV>
+  Matrix<Scalar> forward_impl(const char* function, const DQ& X_q, const char* q_name, const DK& X_k,
+                              const char* k_name, const DV& X_v, const char* v_name,
+                              const AttentionOptions<Scalar>& options) const {
+    check_weights(function);
+    check_shape_input(function, q_name, X_q.cols(), config_.d_model, "d_model");
+    check_shape_input(function, k_name, X_k.cols(), config_.kdim, "kdim");
+    check_shape_input(function, v_name, X_v.cols(), config_.vdim, "vdim");
+    detail::check_shape(X_k.rows() == X_v.rows(), function, ": ", v_name, " has ", X_v.rows(), " rows, expected ",
+                        X_k.rows(), " (the rows of ", k_name, ")");
+    check_varlen(function, options, X_q.rows(), q_name, X_k.rows(), k_name);
+    const Matrix<Scalar> Q = project(X_q, W_q, b_q);
+    const Matrix<Scalar> K = project(X_k, W_k, b_k);  // once per kv head: Tk × Hkv·head_dim
+    const Matrix<Scalar> V = project(X_v, W_v, b_v);
+    const Index H_kv = config_.n_kv_heads, D = config_.head_dim;
+    return attend(Q, detail::packed_heads_view<const Scalar>(K.data(), K.rows(), H_kv, D),
+                  detail::packed_heads_view<const Scalar>(V.data(), V.rows(), H_kv, D), options);
+  }
+
+  /// Y = attention(Q, k, v)·W_o + b_o, with Q packed (Tq × Hq·head_dim) and k, v [1, Hkv, Tk, head_dim] views.
+  Matrix<Scalar> attend(const Matrix<Scalar>& Q, const TensorView4<const Scalar>& k, const TensorView4<const Scalar>& v,
+                        const AttentionOptions<Scalar>& options) const {
+    const Index Tq = Q.rows(), H_q = config_.n_heads, D = config_.head_dim;
+    Matrix<Scalar> O(Tq, H_q * D);
+    const TensorView4<const Scalar> q = detail::packed_heads_view<const Scalar>(Q.data(), Tq, H_q, D);
+    using Observer = detail::MultiHeadCoreObserver<Scalar>;
+    if (Observer::callback != nullptr) Observer::callback(q, k, v, Observer::context);
+    qkv::attention<Scalar>(q, k, v, detail::packed_heads_view<Scalar>(O.data(), Tq, H_q, D), options);
+    return project(O, W_o, b_o);
+  }
+
+  Config config_;
+};
+
+}  // namespace qkv

@@ -1,0 +1,1141 @@
+// Tests of qkv/multi_head.hpp: MultiHeadAttention and KVCache.
+//
+// Expected values come from outside the module:
+//   - tests/fixtures/mha_torch.qkvt: PyTorch 1.13's nn.MultiheadAttention in float64 (self, cross, key_padding_mask,
+//     boolean / float / 3-D attn_mask, batch_first, kdim/vdim, bias=False, per-head weights) and GQA/MQA built in
+//     PyTorch by repeating K/V heads (scripts/make_mha_fixtures.py);
+//   - tests/fixtures/ppocr_v4_block1_attention.qkvt and the two .npy files: a real pretrained layer (PP-OCRv4) and
+//     PyTorch's output with its weights (scripts/make_ppocr_fixture.py);
+//   - float64 loops in this file (projections) around tests/brute_force.hpp (attention written from DESIGN.md);
+//   - decoding with a KV cache against one causal pass (the equivalence DESIGN.md promises).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "brute_force.hpp"
+#include "qkv/multi_head.hpp"
+
+namespace {
+
+using qkv::Index;
+using qkv::Matrix;
+
+// ---- fixture files --------------------------------------------------------------------------------------------------
+
+/// One array of a fixture, widened to double (exact for f4 and u1).
+struct Array {
+  std::string dtype;
+  std::vector<Index> shape;
+  std::vector<double> data;
+  Index extent(std::size_t axis) const { return shape.at(axis); }
+  double at(std::initializer_list<Index> index) const {
+    Index offset = 0;
+    std::size_t axis = 0;
+    for (Index i : index) offset = offset * shape.at(axis++) + i;
+    return data.at(static_cast<std::size_t>(offset));
+  }
+};
+using Fixture = std::map<std::string, Array>;
+
+bool little_endian() {
+  const std::uint16_t one = 1;
+  unsigned char first;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+template <class Stored>
+std::vector<double> read_values(std::istream& in, std::size_t count) {
+  std::vector<Stored> raw(count);
+  in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(Stored)));
+  return std::vector<double>(raw.begin(), raw.end());
+}
+
+/// Reads the qkv fixture format (tests/fixtures/README.md): 'qkv-fixture 1', then per array a header line
+/// '<name> <dtype> <rank> <extents...>' and its raw little-endian C-order data, then 'end'.
+Fixture read_fixture(const std::string& path) {
+  Fixture fixture;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  std::string line;
+  std::getline(in, line);
+  if (line != "qkv-fixture 1") throw std::runtime_error(path + ": not a qkv fixture");
+  while (std::getline(in, line) && line != "end") {
+    std::istringstream header(line);
+    std::string name;
+    Array array;
+    int rank = 0;
+    header >> name >> array.dtype >> rank;
+    std::size_t count = 1;
+    for (int axis = 0; axis < rank; ++axis) {
+      Index e = 0;
+      header >> e;
+      array.shape.push_back(e);
+      count *= static_cast<std::size_t>(e);
+    }
+    if (array.dtype == "f8")
+      array.data = read_values<double>(in, count);
+    else if (array.dtype == "f4")
+      array.data = read_values<float>(in, count);
+    else if (array.dtype == "u1")
+      array.data = read_values<std::uint8_t>(in, count);
+    else
+      throw std::runtime_error(path + ": unknown dtype " + array.dtype);
+    if (!in) throw std::runtime_error(path + ": truncated at " + name);
+    fixture[name] = std::move(array);
+  }
+  if (line != "end") throw std::runtime_error(path + ": missing end");
+  return fixture;
+}
+
+/// Reads a NumPy .npy file of little-endian float32 in C order (format versions 1-3).
+Array read_npy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  char magic[8];
+  in.read(magic, 8);
+  if (std::memcmp(magic, "\x93NUMPY", 6) != 0) throw std::runtime_error(path + ": not a .npy file");
+  std::uint32_t header_length = 0;
+  if (magic[6] == 1) {
+    unsigned char b[2];
+    in.read(reinterpret_cast<char*>(b), 2);
+    header_length = b[0] | (b[1] << 8);
+  } else {
+    unsigned char b[4];
+    in.read(reinterpret_cast<char*>(b), 4);
+    header_length = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<std::uint32_t>(b[3]) << 24);
+  }
+  std::string header(header_length, ' ');
+  in.read(&header[0], header_length);
+  if (header.find("'descr': '<f4'") == std::string::npos || header.find("'fortran_order': False") == std::string::npos)
+    throw std::runtime_error(path + ": expected little-endian float32 in C order, header " + header);
+  Array array;
+  array.dtype = "f4";
+  const std::size_t open = header.find('(', header.find("'shape'")), close = header.find(')', open);
+  std::istringstream shape(header.substr(open + 1, close - open - 1));
+  std::size_t count = 1;
+  for (std::string part; std::getline(shape, part, ',');) {
+    if (part.find_first_not_of(' ') == std::string::npos) continue;
+    array.shape.push_back(std::stol(part));
+    count *= static_cast<std::size_t>(array.shape.back());
+  }
+  array.data = read_values<float>(in, count);
+  if (!in) throw std::runtime_error(path + ": truncated");
+  return array;
+}
+
+std::string fixture_path(const std::string& name) { return std::string(QKV_TEST_FIXTURES_DIR) + "/" + name; }
+
+const Fixture& torch_fixture() {
+  static const Fixture fixture = read_fixture(fixture_path("mha_torch.qkvt"));
+  return fixture;
+}
+
+template <class T>
+Matrix<T> to_matrix(const Array& a) {  // a 1-D array as a 1 × n row, a 2-D array as is
+  const Index rows = a.shape.size() == 1 ? 1 : a.extent(0), cols = a.shape.back();
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < rows * cols; ++i) m.data()[i] = static_cast<T>(a.data[static_cast<std::size_t>(i)]);
+  return m;
+}
+
+template <class T>
+std::vector<T> to_vector(const Array& a) {
+  return std::vector<T>(a.data.begin(), a.data.end());
+}
+
+template <class T>
+double tolerance(double magnitude) {
+  // float: the 1e-5·max(1, max|Y|) of DESIGN.md's decoding promise; double: rounding of a few dozen operations.
+  return (std::is_same_v<T, float> ? 1e-5 : 1e-12) * std::max(1.0, magnitude);
+}
+
+// ---- float64 module in loops (the projections; attention is tests/brute_force.hpp) -------------------------------
+
+/// The parameters of a module in double, stored [in, out] as the module stores them.
+struct Weights {
+  Matrix<double> W_q, W_k, W_v, W_o;
+  std::vector<double> b_q, b_k, b_v, b_o;  // empty = no bias
+};
+
+template <class T>
+Weights weights_of(const qkv::MultiHeadAttention<T>& m) {
+  const auto vec = [](const auto& v) { return std::vector<double>(v.data(), v.data() + v.size()); };
+  return {m.W_q.template cast<double>(),
+          m.W_k.template cast<double>(),
+          m.W_v.template cast<double>(),
+          m.W_o.template cast<double>(),
+          vec(m.b_q),
+          vec(m.b_k),
+          vec(m.b_v),
+          vec(m.b_o)};
+}
+
+/// Y = X·W + b with plain loops.
+Matrix<double> linear(const Matrix<double>& X, const Matrix<double>& W, const std::vector<double>& b) {
+  Matrix<double> Y(X.rows(), W.cols());
+  for (Index i = 0; i < X.rows(); ++i)
+    for (Index o = 0; o < W.cols(); ++o) {
+      double sum = b.empty() ? 0.0 : b[static_cast<std::size_t>(o)];
+      for (Index e = 0; e < X.cols(); ++e) sum += X(i, e) * W(e, o);
+      Y(i, o) = sum;
+    }
+  return Y;
+}
+
+/// Packed heads (T × H·D) to a dense [1, H, T, D] vector.
+std::vector<double> heads_first(const Matrix<double>& packed, Index H, Index D) {
+  std::vector<double> out;
+  for (Index h = 0; h < H; ++h)
+    for (Index t = 0; t < packed.rows(); ++t)
+      for (Index d = 0; d < D; ++d) out.push_back(packed(t, h * D + d));
+  return out;
+}
+
+/// The whole module in float64: projections in loops, attention by brute::attention with `p` (its sizes are filled
+/// in here), then the output projection.
+Matrix<double> brute_force_module(const Weights& w, const Matrix<double>& X_q, const Matrix<double>& X_k,
+                                  const Matrix<double>& X_v, Index Hq, Index Hkv, Index D, brute::Params p) {
+  const Matrix<double> Q = linear(X_q, w.W_q, w.b_q), K = linear(X_k, w.W_k, w.b_k), V = linear(X_v, w.W_v, w.b_v);
+  p.B = 1;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.Sq = X_q.rows();
+  p.Skv = X_k.rows();
+  p.D = D;
+  p.Dv = D;
+  const brute::Result r = brute::attention(heads_first(Q, Hq, D), heads_first(K, Hkv, D), heads_first(V, Hkv, D), p);
+  Matrix<double> O(X_q.rows(), Hq * D);
+  for (Index h = 0; h < Hq; ++h)
+    for (Index t = 0; t < X_q.rows(); ++t)
+      for (Index d = 0; d < D; ++d) O(t, h * D + d) = r.out[static_cast<std::size_t>((h * X_q.rows() + t) * D + d)];
+  return linear(O, w.W_o, w.b_o);
+}
+
+template <class T>
+Matrix<T> random_normal(Index rows, Index cols, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal;
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(normal(rng));
+  return m;
+}
+
+/// A module with every weight and bias drawn from U(±1/√d_model) (the PyTorch nn.Linear scale).
+template <class T>
+qkv::MultiHeadAttention<T> random_module(const typename qkv::MultiHeadAttention<T>::Config& config, unsigned seed) {
+  qkv::MultiHeadAttention<T> m(config);
+  std::mt19937 rng(seed);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(m.d_model()));
+  std::uniform_real_distribution<double> uniform(-bound, bound);
+  for (auto* w : {&m.W_q, &m.W_k, &m.W_v, &m.W_o})
+    for (Index i = 0; i < w->size(); ++i) w->data()[i] = static_cast<T>(uniform(rng));
+  for (auto* b : {&m.b_q, &m.b_k, &m.b_v, &m.b_o})
+    for (Index i = 0; i < b->size(); ++i) (*b)(i) = static_cast<T>(uniform(rng));
+  return m;
+}
+
+template <class T>
+typename qkv::MultiHeadAttention<T>::Config make_config(Index d_model, Index n_heads, Index n_kv_heads = 0,
+                                                        Index head_dim = 0) {
+  typename qkv::MultiHeadAttention<T>::Config c;
+  c.d_model = d_model;
+  c.n_heads = n_heads;
+  c.n_kv_heads = n_kv_heads;
+  c.head_dim = head_dim;
+  return c;
+}
+
+/// A number for RecordProperty (std::to_string would print 1e-9 as 0.000000).
+std::string scientific(double x) {
+  std::ostringstream out;
+  out << x;
+  return out.str();
+}
+
+double max_abs(const Matrix<double>& m) { return m.size() == 0 ? 0.0 : m.cwiseAbs().maxCoeff(); }
+
+template <class T>
+double max_difference(const Matrix<T>& a, const Matrix<double>& b) {
+  EXPECT_EQ(a.rows(), b.rows());
+  EXPECT_EQ(a.cols(), b.cols());
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return std::numeric_limits<double>::infinity();
+  double worst = 0;
+  for (Index i = 0; i < a.size(); ++i) {
+    const double d = std::abs(static_cast<double>(a.data()[i]) - b.data()[i]);
+    if (!(d <= worst)) worst = d;  // NaN propagates as NaN
+  }
+  return worst;
+}
+
+void expect_shape_error(const std::function<void()>& call, std::initializer_list<const char*> parts) {
+  try {
+    call();
+    ADD_FAILURE() << "expected qkv::shape_error";
+  } catch (const qkv::shape_error& e) {
+    const std::string message = e.what();
+    for (const char* part : parts)
+      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+  }
+}
+
+// ---- PyTorch fixtures -----------------------------------------------------------------------------------------------
+
+/// One nn.MultiheadAttention case of mha_torch.qkvt, converted to T.
+template <class T>
+struct TorchCase {
+  using ConstMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+  std::string name;
+  const Fixture* f = nullptr;
+  Index E = 0, H = 0, Hkv = 0, kdim = 0, vdim = 0, N = 0, L = 0, S = 0;
+  bool bias = true, batch_first = false;
+  std::vector<T> query, key, value;
+
+  explicit TorchCase(const std::string& case_name) : name(case_name), f(&torch_fixture()) {
+    const Array& c = get("config");
+    E = static_cast<Index>(c.data[0]);
+    H = static_cast<Index>(c.data[1]);
+    Hkv = static_cast<Index>(c.data[2]);
+    kdim = static_cast<Index>(c.data[3]);
+    vdim = static_cast<Index>(c.data[4]);
+    bias = c.data[5] != 0;
+    batch_first = c.data[6] != 0;
+    N = static_cast<Index>(c.data[7]);
+    L = static_cast<Index>(c.data[8]);
+    S = static_cast<Index>(c.data[9]);
+    query = to_vector<T>(get("query"));
+    key = to_vector<T>(get("key"));
+    value = to_vector<T>(get("value"));
+  }
+
+  bool has(const std::string& array) const { return f->count(name + "." + array) > 0; }
+  const Array& get(const std::string& array) const { return f->at(name + "." + array); }
+
+  /// Batch entry n of a [T, N, width] (seq-first) or [N, T, width] (batch_first) input, as a zero-copy strided map.
+  ConstMap rows(const std::vector<T>& data, Index n, Index T_rows, Index width) const {
+    if (batch_first) return ConstMap(data.data() + n * T_rows * width, T_rows, width, Eigen::OuterStride<>(width));
+    return ConstMap(data.data() + n * width, T_rows, width, Eigen::OuterStride<>(N * width));
+  }
+  ConstMap X_q(Index n) const { return rows(query, n, L, E); }
+  ConstMap X_k(Index n) const { return rows(key, n, S, kdim); }
+  ConstMap X_v(Index n) const { return rows(value, n, S, vdim); }
+
+  double expected_out(Index n, Index l, Index e) const {
+    return batch_first ? get("out").at({n, l, e}) : get("out").at({l, n, e});
+  }
+
+  qkv::MultiHeadAttention<T> module() const {
+    typename qkv::MultiHeadAttention<T>::Config config;
+    config.d_model = E;
+    config.n_heads = H;
+    config.n_kv_heads = Hkv;
+    config.kdim = kdim;
+    config.vdim = vdim;
+    config.bias = bias;
+    qkv::MultiHeadAttention<T> m(config);
+    const Matrix<T> in_bias = to_matrix<T>(get("in_proj_bias")), out_bias = to_matrix<T>(get("out_proj_bias"));
+    const Matrix<T> out_weight = to_matrix<T>(get("out_proj_weight"));
+    if (has("in_proj_weight")) {
+      m.load_pytorch(to_matrix<T>(get("in_proj_weight")), in_bias, out_weight, out_bias);
+    } else {
+      m.load_pytorch(to_matrix<T>(get("q_proj_weight")), to_matrix<T>(get("k_proj_weight")),
+                     to_matrix<T>(get("v_proj_weight")), in_bias, out_weight, out_bias);
+    }
+    return m;
+  }
+};
+
+/// The masks of batch entry n as AttentionOptions, with the storage the views point into. PyTorch's boolean masks
+/// mean True = masked: `allowed` is their negation.
+template <class T>
+struct BatchMasks {
+  using BoolArray = Eigen::Array<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  BoolArray allowed_2d;
+  std::unique_ptr<bool[]> allowed_3d;
+  Matrix<T> bias;
+  qkv::AttentionOptions<T> options;
+
+  BatchMasks(const TorchCase<T>& c, Index n) {
+    const bool has_kpm = c.has("key_padding_mask"), has_mask = c.has("attn_mask");
+    const bool kpm_bool = has_kpm && c.get("key_padding_mask").dtype == "u1";
+    const bool mask_bool = has_mask && c.get("attn_mask").dtype == "u1";
+    const bool mask_3d = has_mask && c.get("attn_mask").shape.size() == 3;
+    if (mask_3d) {  // [N·H, L, S] -> [1, H, L, S] for this batch entry
+      EXPECT_TRUE(mask_bool && !has_kpm);
+      allowed_3d.reset(new bool[static_cast<std::size_t>(c.H * c.L * c.S)]);
+      for (Index h = 0; h < c.H; ++h)
+        for (Index i = 0; i < c.L; ++i)
+          for (Index j = 0; j < c.S; ++j)
+            allowed_3d[static_cast<std::size_t>((h * c.L + i) * c.S + j)] =
+                c.get("attn_mask").at({n * c.H + h, i, j}) == 0;
+      options.allowed = qkv::TensorView4<const bool>(allowed_3d.get(), {1, c.H, c.L, c.S});
+      return;
+    }
+    if (mask_bool || kpm_bool) {  // one L × S (or 1 × S, broadcast over the queries) boolean mask
+      allowed_2d = BoolArray::Constant(mask_bool ? c.L : 1, c.S, true);
+      for (Index i = 0; i < allowed_2d.rows(); ++i)
+        for (Index j = 0; j < c.S; ++j) {
+          bool masked = mask_bool && c.get("attn_mask").at({i, j}) != 0;
+          masked = masked || (kpm_bool && c.get("key_padding_mask").at({n, j}) != 0);
+          allowed_2d(i, j) = !masked;
+        }
+      options.allowed = allowed_2d;
+    }
+    if (has_mask && !mask_bool) {  // float attn_mask: added to the scores
+      bias = to_matrix<T>(c.get("attn_mask"));
+      options.bias = bias;
+    }
+    if (has_kpm && !kpm_bool) {  // float key_padding_mask: added, one row broadcast over the queries
+      EXPECT_FALSE(has_mask);
+      bias = Matrix<T>(1, c.S);
+      for (Index j = 0; j < c.S; ++j) bias(0, j) = static_cast<T>(c.get("key_padding_mask").at({n, j}));
+      options.bias = bias;
+    }
+  }
+};
+
+struct CaseResult {
+  double out_error = 0, out_magnitude = 0, weight_error = 0;
+  Index compared_rows = 0, nan_rows = 0;
+};
+
+/// Runs every batch entry of a case through the module and compares the output rows and attention weights with
+/// PyTorch's. Rows PyTorch reports as NaN (every key masked) are left out of the comparison and checked to be
+/// zeros at the attention output instead: Y's row is exactly b_o and the weights' row is zero.
+template <class T>
+CaseResult run_case(const TorchCase<T>& c) {
+  const qkv::MultiHeadAttention<T> m = c.module();
+  CaseResult r;
+  const Array& weights = c.get("weights");
+  const bool per_head = weights.shape.size() == 4;
+  for (Index n = 0; n < c.N; ++n) {
+    const BatchMasks<T> masks(c, n);
+    const Matrix<T> Y = m.forward(c.X_q(n), c.X_k(n), c.X_v(n), masks.options);
+    EXPECT_EQ(Y.rows(), c.L);
+    EXPECT_EQ(Y.cols(), c.E);
+    std::vector<Matrix<T>> P;
+    for (Index h = 0; h < c.H; ++h) P.push_back(m.attention_weights(c.X_q(n), c.X_k(n), h, masks.options));
+    for (Index l = 0; l < c.L; ++l) {
+      if (std::isnan(c.expected_out(n, l, 0))) {
+        ++r.nan_rows;
+        for (Index e = 0; e < c.E; ++e)
+          EXPECT_EQ(Y(l, e), m.config().bias ? m.b_o(e) : T(0)) << c.name << " n " << n << " l " << l;
+        for (Index h = 0; h < c.H; ++h) EXPECT_TRUE(P[static_cast<std::size_t>(h)].row(l).isZero(0)) << c.name;
+        continue;
+      }
+      ++r.compared_rows;
+      for (Index e = 0; e < c.E; ++e) {
+        const double expected = c.expected_out(n, l, e);
+        r.out_magnitude = std::max(r.out_magnitude, std::abs(expected));
+        r.out_error = std::max(r.out_error, std::abs(static_cast<double>(Y(l, e)) - expected));
+      }
+      for (Index s = 0; s < c.S; ++s) {
+        double mean = 0;
+        for (Index h = 0; h < c.H; ++h) {
+          const double ours = P[static_cast<std::size_t>(h)](l, s);
+          mean += ours / static_cast<double>(c.H);
+          if (per_head) r.weight_error = std::max(r.weight_error, std::abs(ours - weights.at({n, h, l, s})));
+        }
+        if (!per_head) r.weight_error = std::max(r.weight_error, std::abs(mean - weights.at({n, l, s})));
+      }
+    }
+  }
+  return r;
+}
+
+template <class T>
+struct MultiHeadTorch : ::testing::Test {
+  void check(const std::string& case_name, Index expected_nan_rows = 0) {
+    const TorchCase<T> c(case_name);
+    const CaseResult r = run_case(c);
+    EXPECT_EQ(r.nan_rows, expected_nan_rows) << case_name;
+    EXPECT_EQ(r.compared_rows + r.nan_rows, c.N * c.L) << case_name;
+    EXPECT_LE(r.out_error, tolerance<T>(r.out_magnitude)) << case_name << ": output vs PyTorch";
+    EXPECT_LE(r.weight_error, tolerance<T>(1.0)) << case_name << ": attention weights vs PyTorch";
+    RecordProperty("max_output_error", scientific(r.out_error));
+    RecordProperty("max_weight_error", scientific(r.weight_error));
+  }
+};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(MultiHeadTorch, Scalars, );
+
+TYPED_TEST(MultiHeadTorch, SelfAttention) { this->check("self"); }
+TYPED_TEST(MultiHeadTorch, CrossAttentionPerHeadWeights) { this->check("cross"); }
+// Batch entry 2 has every key padded: its 6 rows are NaN in PyTorch 1.13 and b_o (zero attention) here.
+TYPED_TEST(MultiHeadTorch, KeyPaddingMaskWithFullyPaddedEntry) { this->check("key_padding", 6); }
+// Query row 2 is fully masked in both batch entries: NaN in PyTorch, zeros here.
+TYPED_TEST(MultiHeadTorch, BooleanAttnMaskWithFullyMaskedRow) { this->check("bool_mask", 2); }
+TYPED_TEST(MultiHeadTorch, BooleanAttnMaskPerBatchAndHead) { this->check("bool_mask_3d"); }
+TYPED_TEST(MultiHeadTorch, FloatAttnMaskAndKeyPaddingMask) { this->check("float_mask"); }
+TYPED_TEST(MultiHeadTorch, FloatKeyPaddingMask) { this->check("float_padding"); }
+TYPED_TEST(MultiHeadTorch, BatchFirstWithCausalAttnMask) { this->check("batch_first"); }
+TYPED_TEST(MultiHeadTorch, KdimVdimSeparateWeights) { this->check("kdim_vdim"); }
+TYPED_TEST(MultiHeadTorch, NoBias) { this->check("no_bias"); }
+TYPED_TEST(MultiHeadTorch, GroupedQueryAttention) { this->check("gqa"); }
+TYPED_TEST(MultiHeadTorch, GroupedQueryAttentionCausalMask) { this->check("gqa_causal"); }
+TYPED_TEST(MultiHeadTorch, MultiQueryCrossAttention) { this->check("mqa_cross"); }
+
+// Right padding expressed as key_lengths instead of a boolean row (batch entry 0 of key_padding keeps 4 keys).
+TYPED_TEST(MultiHeadTorch, RightPaddingAsKeyLengths) {
+  using T = TypeParam;
+  const TorchCase<T> c("key_padding");
+  const auto m = c.module();
+  qkv::AttentionOptions<T> options;
+  options.key_lengths = {4};
+  const Matrix<T> Y = m.forward(c.X_q(0), options);
+  double error = 0, magnitude = 0;
+  for (Index l = 0; l < c.L; ++l)
+    for (Index e = 0; e < c.E; ++e) {
+      magnitude = std::max(magnitude, std::abs(c.expected_out(0, l, e)));
+      error = std::max(error, std::abs(static_cast<double>(Y(l, e)) - c.expected_out(0, l, e)));
+    }
+  EXPECT_LE(error, tolerance<T>(magnitude));
+}
+
+// batch_first memory [N, L, E] is N sequences one after another: run it as one varlen batch, straight from the buffer,
+// with the causal option in place of PyTorch's triangular attn_mask (the same when L = S).
+TYPED_TEST(MultiHeadTorch, BatchFirstBufferAsVarlenBatch) {
+  using T = TypeParam;
+  const TorchCase<T> c("batch_first");
+  ASSERT_TRUE(c.batch_first);
+  const auto m = c.module();
+  const Eigen::Map<const Matrix<T>> X(c.query.data(), c.N * c.L, c.E);
+  qkv::AttentionOptions<T> options;
+  options.causal = true;
+  for (Index n = 0; n <= c.N; ++n) options.cu_seqlens_q.push_back(n * c.L);
+  options.cu_seqlens_k = options.cu_seqlens_q;
+  const Matrix<T> Y = m.forward(X, options);
+  double error = 0, magnitude = 0;
+  for (Index n = 0; n < c.N; ++n)
+    for (Index l = 0; l < c.L; ++l)
+      for (Index e = 0; e < c.E; ++e) {
+        magnitude = std::max(magnitude, std::abs(c.expected_out(n, l, e)));
+        error = std::max(error, std::abs(static_cast<double>(Y(n * c.L + l, e)) - c.expected_out(n, l, e)));
+      }
+  EXPECT_LE(error, tolerance<T>(magnitude));
+}
+
+// GQA's causal mask through options.causal instead of the boolean mask, against the same PyTorch output.
+TYPED_TEST(MultiHeadTorch, GroupedQueryCausalOption) {
+  using T = TypeParam;
+  const TorchCase<T> c("gqa_causal");
+  const auto m = c.module();
+  EXPECT_EQ(m.n_kv_heads(), 2);
+  qkv::AttentionOptions<T> options;
+  options.causal = true;
+  const Matrix<T> Y = m.forward(c.X_q(0), options);
+  double error = 0, magnitude = 0;
+  for (Index l = 0; l < c.L; ++l)
+    for (Index e = 0; e < c.E; ++e) {
+      magnitude = std::max(magnitude, std::abs(c.expected_out(0, l, e)));
+      error = std::max(error, std::abs(static_cast<double>(Y(l, e)) - c.expected_out(0, l, e)));
+    }
+  EXPECT_LE(error, tolerance<T>(magnitude));
+}
+
+// ---- loaders -----------------------------------------------------------------------------------------------------
+
+// load_pytorch transposes PyTorch's [out, in] weights into the [in, out] members; load_fused_qkv takes [in, out].
+TYPED_TEST(MultiHeadTorch, LoadersPlaceEveryWeight) {
+  using T = TypeParam;
+  const TorchCase<T> c("gqa");  // GQA: the packed in_proj has (6 + 2·2)·4 rows
+  const auto m = c.module();
+  const Matrix<T> in_proj = to_matrix<T>(c.get("in_proj_weight")), in_bias = to_matrix<T>(c.get("in_proj_bias"));
+  const Matrix<T> out_proj = to_matrix<T>(c.get("out_proj_weight")), out_bias = to_matrix<T>(c.get("out_proj_bias"));
+  ASSERT_EQ(in_proj.rows(), 40);
+  EXPECT_EQ(m.W_q, in_proj.topRows(24).transpose());
+  EXPECT_EQ(m.W_k, in_proj.middleRows(24, 8).transpose());
+  EXPECT_EQ(m.W_v, in_proj.bottomRows(8).transpose());
+  EXPECT_EQ(m.W_o, out_proj.transpose());
+  EXPECT_EQ(m.b_q.transpose(), in_bias.leftCols(24));
+  EXPECT_EQ(m.b_k.transpose(), in_bias.middleCols(24, 8));
+  EXPECT_EQ(m.b_v.transpose(), in_bias.rightCols(8));
+  EXPECT_EQ(m.b_o.transpose(), out_bias);
+
+  qkv::MultiHeadAttention<T> fused(make_config<T>(24, 6, 2));
+  const Matrix<T> W_qkv = in_proj.transpose(), W_o = out_proj.transpose();
+  fused.load_fused_qkv(W_qkv, in_bias.transpose(), W_o, out_bias);  // biases as columns here, rows above
+  EXPECT_EQ(fused.W_q, m.W_q);
+  EXPECT_EQ(fused.W_k, m.W_k);
+  EXPECT_EQ(fused.W_v, m.W_v);
+  EXPECT_EQ(fused.W_o, m.W_o);
+  EXPECT_EQ(fused.b_q, m.b_q);
+  EXPECT_EQ(fused.b_k, m.b_k);
+  EXPECT_EQ(fused.b_v, m.b_v);
+  EXPECT_EQ(fused.b_o, m.b_o);
+}
+
+TEST(MultiHeadConfig, ResolvesDefaults) {
+  qkv::MultiHeadAttention<float>::Config config;
+  config.d_model = 12;
+  config.n_heads = 4;
+  const qkv::MultiHeadAttention<float> m(config);
+  EXPECT_EQ(m.n_kv_heads(), 4);
+  EXPECT_EQ(m.head_dim(), 3);
+  EXPECT_EQ(m.kdim(), 12);
+  EXPECT_EQ(m.vdim(), 12);
+  EXPECT_EQ(m.W_q.rows(), 12);
+  EXPECT_EQ(m.W_q.cols(), 12);
+  EXPECT_EQ(m.W_k.cols(), 12);
+  EXPECT_EQ(m.W_o.rows(), 12);
+  EXPECT_EQ(m.b_o.size(), 12);
+  EXPECT_TRUE(m.W_q.isZero(0));
+
+  config.n_kv_heads = 1;
+  config.head_dim = 5;  // explicit: n_heads·head_dim = 20 ≠ d_model is allowed
+  config.kdim = 7;
+  config.bias = false;
+  const qkv::MultiHeadAttention<float> g(config);
+  EXPECT_EQ(g.W_q.cols(), 20);
+  EXPECT_EQ(g.W_k.rows(), 7);
+  EXPECT_EQ(g.W_k.cols(), 5);
+  EXPECT_EQ(g.W_v.rows(), 12);
+  EXPECT_EQ(g.W_o.rows(), 20);
+  EXPECT_EQ(g.b_q.size(), 0);
+  EXPECT_EQ(g.b_o.size(), 0);
+}
+
+// ---- GQA reads K/V once per kv head, no copies ----------------------------------------------------------------------
+
+/// What the module handed to the core. The views may dangle after the call (they point into the module's
+/// temporaries), so the keys are copied during the call; afterwards only extents, strides and addresses are used.
+struct ObservedCall {
+  int calls = 0;
+  qkv::TensorView4<const float> q, k, v;
+  std::vector<float> keys;  ///< k's elements in [Hkv, Skv, D] order, copied during the call
+};
+
+void observe(const qkv::TensorView4<const float>& q, const qkv::TensorView4<const float>& k,
+             const qkv::TensorView4<const float>& v, void* context) {
+  auto* seen = static_cast<ObservedCall*>(context);
+  ++seen->calls;
+  seen->q = q;
+  seen->k = k;
+  seen->v = v;
+  seen->keys.clear();
+  for (Index h = 0; h < k.extent(1); ++h)
+    for (Index t = 0; t < k.extent(2); ++t)
+      for (Index d = 0; d < k.extent(3); ++d) seen->keys.push_back(k(0, h, t, d));
+}
+
+struct ObserverGuard {  // installs the module's test seam for one test and always removes it
+  explicit ObserverGuard(ObservedCall* seen) {
+    qkv::detail::MultiHeadCoreObserver<float>::callback = &observe;
+    qkv::detail::MultiHeadCoreObserver<float>::context = seen;
+  }
+  ~ObserverGuard() {
+    qkv::detail::MultiHeadCoreObserver<float>::callback = nullptr;
+    qkv::detail::MultiHeadCoreObserver<float>::context = nullptr;
+  }
+};
+
+// 32 query heads, 8 kv heads: the module hands the core K and V with 8 heads (T × 8·head_dim values each, the
+// projection computed once per kv head), one core call for all heads, and the core maps query head h to kv head h / 4.
+// The 4 query heads of a group therefore read the same memory: no repeated copy of K/V exists anywhere.
+TEST(MultiHeadGqa, KeysAndValuesAreProjectedOncePerKvHeadAndShared) {
+  const Index d_model = 256, Hq = 32, Hkv = 8, D = 8, T = 9;
+  const auto m = random_module<float>(make_config<float>(d_model, Hq, Hkv), 11);
+  const Matrix<float> X = random_normal<float>(T, d_model, 12);
+  ObservedCall seen;
+  Matrix<float> Y;
+  {
+    ObserverGuard guard(&seen);
+    Y = m.forward(X);
+  }
+  EXPECT_EQ(seen.calls, 1);
+  EXPECT_EQ(seen.q.extent(1), Hq);
+  for (const auto* view : {&seen.k, &seen.v}) {
+    EXPECT_EQ(view->extent(0), 1);
+    EXPECT_EQ(view->extent(1), Hkv);  // not Hq: nothing was repeated
+    EXPECT_EQ(view->extent(2), T);
+    EXPECT_EQ(view->extent(3), D);
+    EXPECT_EQ(view->stride(1), D);        // kv head h_kv is columns [h_kv·D, (h_kv+1)·D) of the projection
+    EXPECT_EQ(view->stride(2), Hkv * D);  // rows are tokens of the packed T × Hkv·D projection
+  }
+  // K and V are two separate T × Hkv·D blocks (the core's reads of one group of 4 query heads stay inside them).
+  const auto k_begin = reinterpret_cast<std::uintptr_t>(seen.k.data());
+  const auto v_begin = reinterpret_cast<std::uintptr_t>(seen.v.data());
+  const auto block_bytes = static_cast<std::uintptr_t>(T * Hkv * D) * sizeof(float);
+  EXPECT_TRUE(v_begin >= k_begin + block_bytes || k_begin >= v_begin + block_bytes);
+  // The memory the core reads for K is exactly the projection X·W_k + b_k, computed here in float64.
+  const Weights w = weights_of(m);
+  const Matrix<double> K = linear(X.cast<double>(), w.W_k, w.b_k);
+  double error = 0;
+  ASSERT_EQ(seen.keys.size(), static_cast<std::size_t>(Hkv * T * D));
+  for (Index h_kv = 0; h_kv < Hkv; ++h_kv)
+    for (Index t = 0; t < T; ++t)
+      for (Index d = 0; d < D; ++d)
+        error =
+            std::max(error, std::abs(seen.keys[static_cast<std::size_t>((h_kv * T + t) * D + d)] - K(t, h_kv * D + d)));
+  EXPECT_LE(error, 1e-5 * std::max(1.0, max_abs(K)));
+  // And the output is GQA's: the float64 module with query head h reading kv head h / 4 (brute_force.hpp's rule).
+  const Matrix<double> expected =
+      brute_force_module(w, X.cast<double>(), X.cast<double>(), X.cast<double>(), Hq, Hkv, D, brute::Params());
+  EXPECT_LE(max_difference(Y, expected), tolerance<float>(max_abs(expected)));
+}
+
+// With a cache, the core reads the cache's own [Hkv, capacity, head_dim] memory in place, first length() rows.
+TEST(MultiHeadGqa, DecodingReadsTheCacheInPlace) {
+  const Index d_model = 256, Hq = 32, Hkv = 8, D = 8, capacity = 16;
+  const auto m = random_module<float>(make_config<float>(d_model, Hq, Hkv), 13);
+  const Matrix<float> X = random_normal<float>(5, d_model, 14);
+  auto cache = m.make_cache(capacity);
+  ObservedCall seen;
+  ObserverGuard guard(&seen);
+  m.forward(X.topRows(3), cache);
+  m.forward(X.middleRows(3, 2), cache);
+  EXPECT_EQ(seen.calls, 2);
+  EXPECT_EQ(seen.k.data(), cache.keys().data());
+  EXPECT_EQ(seen.v.data(), cache.values().data());
+  EXPECT_EQ(seen.k.extent(1), Hkv);
+  EXPECT_EQ(seen.k.extent(2), 5);
+  EXPECT_EQ(seen.k.stride(1), capacity * D);
+  EXPECT_EQ(seen.k.stride(2), D);
+  EXPECT_EQ(seen.q.extent(1), Hq);
+  EXPECT_EQ(seen.q.extent(2), 2);
+}
+
+// ---- KV-cache decoding ---------------------------------------------------------------------------------------------
+
+struct DecodeShape {
+  const char* name;
+  Index d_model, n_heads, n_kv_heads, head_dim;
+};
+
+class MultiHeadDecode : public ::testing::TestWithParam<DecodeShape> {};
+
+/// Feeds X through forward(X_new, cache) in chunks of the given sizes (cycled) and returns the stacked outputs.
+Matrix<float> decode(const qkv::MultiHeadAttention<float>& m, const Matrix<float>& X, const std::vector<Index>& chunks,
+                     const qkv::AttentionOptions<float>& options = {}) {
+  auto cache = m.make_cache(X.rows());
+  Matrix<float> Y(X.rows(), m.d_model());
+  Index t = 0;
+  for (std::size_t c = 0; t < X.rows(); ++c) {
+    const Index n = std::min(chunks[c % chunks.size()], X.rows() - t);
+    Y.middleRows(t, n) = m.forward(X.middleRows(t, n), cache, options);
+    t += n;
+    EXPECT_EQ(cache.length(), t);
+  }
+  return Y;
+}
+
+// Token by token, and in chunks (chunked prefill), equals one causal pass within 1e-5·max(1, max|Y|) in float.
+TEST_P(MultiHeadDecode, EqualsOneCausalPass) {
+  const DecodeShape s = GetParam();
+  const Index T = 37;
+  const auto m = random_module<float>(make_config<float>(s.d_model, s.n_heads, s.n_kv_heads, s.head_dim), 21);
+  const Matrix<float> X = random_normal<float>(T, s.d_model, 22);
+  qkv::AttentionOptions<float> causal;
+  causal.causal = true;
+  const Matrix<float> full = m.forward(X, causal);
+  ASSERT_TRUE(full.allFinite());
+  const Matrix<double> full_d = full.cast<double>();
+  const double bound = 1e-5 * std::max(1.0, max_abs(full_d));
+
+  const Matrix<float> one_by_one = decode(m, X, {1});
+  ASSERT_TRUE(one_by_one.allFinite());  // cache slots start as NaN: a read past length() would show here
+  EXPECT_LE(max_difference(one_by_one, full_d), bound) << s.name << " token by token";
+  const Matrix<float> chunked = decode(m, X, {5, 1, 8, 3, 13});
+  EXPECT_LE(max_difference(chunked, full_d), bound) << s.name << " chunked prefill";
+  const Matrix<float> prefill_then_decode = decode(m, X, {T - 4, 1});
+  EXPECT_LE(max_difference(prefill_then_decode, full_d), bound) << s.name << " prefill then decode";
+
+  // The causal pass itself against the float64 module (brute_force.hpp attention).
+  brute::Params p;
+  p.causal = true;
+  const Matrix<double> Xd = X.cast<double>();
+  const Matrix<double> expected =
+      brute_force_module(weights_of(m), Xd, Xd, Xd, m.n_heads(), m.n_kv_heads(), m.head_dim(), p);
+  EXPECT_LE(max_difference(full, expected), tolerance<float>(max_abs(expected))) << s.name;
+  RecordProperty("decode_max_difference", scientific(max_difference(one_by_one, full_d)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Heads, MultiHeadDecode,
+                         ::testing::Values(DecodeShape{"MHA", 64, 4, 4, 0}, DecodeShape{"GQA_32_8", 512, 32, 8, 0},
+                                           DecodeShape{"MQA", 96, 8, 1, 0}, DecodeShape{"GQA_odd", 40, 6, 3, 5}),
+                         [](const ::testing::TestParamInfo<DecodeShape>& info) {
+                           return std::string(info.param.name);
+                         });
+
+// The cache path is causal bottom-right whatever options.causal and options.alignment say.
+TEST(MultiHeadCache, CausalBottomRightWhateverTheOptionsSay) {
+  const auto m = random_module<float>(make_config<float>(32, 4, 2), 31);
+  const Matrix<float> X = random_normal<float>(12, 32, 32);
+  qkv::AttentionOptions<float> causal;
+  causal.causal = true;
+  const Matrix<double> full = m.forward(X, causal).cast<double>();
+  qkv::AttentionOptions<float> misleading;
+  misleading.causal = false;
+  misleading.alignment = qkv::CausalAlignment::top_left;
+  EXPECT_LE(max_difference(decode(m, X, {3, 2, 4}, misleading), full), 1e-5 * std::max(1.0, max_abs(full)));
+}
+
+// Other options pass through to the cached attention: a sliding window (bottom-right, as FlashAttention's decoding).
+TEST(MultiHeadCache, SlidingWindowPassesThrough) {
+  const auto m = random_module<float>(make_config<float>(48, 6, 2), 33);
+  const Matrix<float> X = random_normal<float>(20, 48, 34);
+  qkv::AttentionOptions<float> window;
+  window.causal = true;
+  window.window_left = 4;
+  const Matrix<double> full = m.forward(X, window).cast<double>();
+  EXPECT_LE(max_difference(decode(m, X, {1}, window), full), 1e-5 * std::max(1.0, max_abs(full)));
+  EXPECT_LE(max_difference(decode(m, X, {3, 7}, window), full), 1e-5 * std::max(1.0, max_abs(full)));
+  brute::Params p;
+  p.causal = true;
+  p.window_left = 4;
+  const Matrix<double> Xd = X.cast<double>();
+  const Matrix<double> expected = brute_force_module(weights_of(m), Xd, Xd, Xd, 6, 2, 8, p);
+  EXPECT_LE(max_difference(full, expected), tolerance<float>(max_abs(expected)));
+}
+
+// Stale slots are never read: after clear(), a new sequence sees only its own keys, though the slots past the new
+// length still hold the previous sequence's (finite) keys and values.
+TEST(MultiHeadCache, ClearForgetsAndStaleSlotsAreNotRead) {
+  const auto m = random_module<float>(make_config<float>(32, 4, 1), 35);
+  const Matrix<float> first = random_normal<float>(10, 32, 36), second = random_normal<float>(4, 32, 37);
+  auto cache = m.make_cache(10);
+  m.forward(first, cache);
+  EXPECT_EQ(cache.length(), 10);
+  cache.clear();
+  EXPECT_EQ(cache.length(), 0);
+  EXPECT_EQ(cache.capacity(), 10);
+  Matrix<float> Y(4, 32);
+  for (Index t = 0; t < 4; ++t) Y.row(t) = m.forward(second.row(t), cache);
+  qkv::AttentionOptions<float> causal;
+  causal.causal = true;
+  const Matrix<double> expected = m.forward(second, causal).cast<double>();
+  EXPECT_LE(max_difference(Y, expected), 1e-5 * std::max(1.0, max_abs(expected)));
+}
+
+TEST(MultiHeadCache, ViewsAndAppend) {
+  qkv::KVCache<double> cache(6, 2, 3);
+  EXPECT_EQ(cache.capacity(), 6);
+  EXPECT_EQ(cache.n_kv_heads(), 2);
+  EXPECT_EQ(cache.head_dim(), 3);
+  Matrix<double> K(2, 6), V(2, 6);
+  K << 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12;
+  V = -K;
+  cache.append(K, V);
+  const auto keys = cache.keys();
+  EXPECT_EQ(keys.extents(), (std::array<Index, 4>{1, 2, 2, 3}));
+  EXPECT_EQ(keys.strides(), (std::array<Index, 4>{36, 18, 3, 1}));
+  EXPECT_EQ(keys(0, 0, 1, 2), 9);  // token 1, kv head 0, feature 2 = K(1, 2)
+  EXPECT_EQ(keys(0, 1, 0, 0), 4);  // token 0, kv head 1, feature 0 = K(0, 3)
+  EXPECT_EQ(cache.values()(0, 1, 1, 1), -11);
+  expect_shape_error([&] { cache.append(Matrix<double>(1, 5), Matrix<double>(1, 6)); }, {"K_new", "5", "6"});
+  expect_shape_error([&] { cache.append(Matrix<double>(1, 6), Matrix<double>(2, 6)); }, {"V_new", "2", "1"});
+  expect_shape_error([&] { cache.append(Matrix<double>::Zero(5, 6), Matrix<double>::Zero(5, 6)); },
+                     {"overflows", "2", "5", "7", "6"});
+  EXPECT_EQ(cache.length(), 2);
+  expect_shape_error([] { qkv::KVCache<float>(-1, 2, 3); }, {"capacity", "-1"});
+  expect_shape_error([] { qkv::KVCache<float>(4, 0, 3); }, {"n_kv_heads", "0"});
+  expect_shape_error([] { qkv::KVCache<float>(4, 2, 0); }, {"head_dim", "0"});
+}
+
+// Overflow throws shape_error naming the sizes and leaves the cache as it was; a failing attention call after the
+// append (a bad option) undoes the append.
+TEST(MultiHeadCache, OverflowAndFailedCallsLeaveTheCacheUnchanged) {
+  const auto m = random_module<float>(make_config<float>(16, 2), 41);
+  const Matrix<float> X = random_normal<float>(6, 16, 42);
+  auto cache = m.make_cache(5);
+  m.forward(X.topRows(3), cache);
+  expect_shape_error([&] { m.forward(X.middleRows(3, 3), cache); }, {"overflows", "3", "5", "6"});
+  EXPECT_EQ(cache.length(), 3);
+  qkv::AttentionOptions<float> bad;
+  bad.scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(m.forward(X.row(3), cache, bad), qkv::shape_error);
+  EXPECT_EQ(cache.length(), 3);
+  const Matrix<float> Y = m.forward(X.middleRows(3, 2), cache);  // still usable, and still exact
+  EXPECT_EQ(cache.length(), 5);
+  qkv::AttentionOptions<float> causal;
+  causal.causal = true;
+  const Matrix<double> full = m.forward(X.topRows(5), causal).cast<double>();
+  EXPECT_LE(max_difference(Y, full.bottomRows(2)), 1e-5 * std::max(1.0, max_abs(full)));
+  auto wrong = qkv::KVCache<float>(8, 1, 8);
+  expect_shape_error([&] { m.forward(X.row(0), wrong); }, {"1 kv heads", "n_kv_heads 2"});
+}
+
+// ---- varlen batches -------------------------------------------------------------------------------------------------
+
+template <class T>
+struct MultiHeadTyped : ::testing::Test {};
+TYPED_TEST_SUITE(MultiHeadTyped, Scalars, );
+
+// A list of sequences (one empty) equals one call per sequence: sequences never see each other.
+TYPED_TEST(MultiHeadTyped, VarlenListEqualsSeparateCalls) {
+  using T = TypeParam;
+  const auto m = random_module<T>(make_config<T>(24, 6, 2), 51);
+  const std::vector<Matrix<T>> sequences = {random_normal<T>(5, 24, 52), random_normal<T>(1, 24, 53), Matrix<T>(0, 24),
+                                            random_normal<T>(7, 24, 54)};
+  for (const bool causal : {false, true}) {
+    qkv::AttentionOptions<T> options;
+    options.causal = causal;
+    const std::vector<Matrix<T>> outputs = m.forward(sequences, options);
+    ASSERT_EQ(outputs.size(), sequences.size());
+    for (std::size_t b = 0; b < sequences.size(); ++b) {
+      const Matrix<double> alone = m.forward(sequences[b], options).template cast<double>();
+      EXPECT_LE(max_difference(outputs[b], alone), tolerance<T>(max_abs(alone))) << "sequence " << b;
+    }
+  }
+}
+
+// Varlen cross-attention: cu_seqlens_q over X_q's rows, cu_seqlens_k over X_kv's rows; against the float64 module.
+TYPED_TEST(MultiHeadTyped, VarlenCrossAttention) {
+  using T = TypeParam;
+  auto config = make_config<T>(16, 4, 2);
+  config.kdim = 10;
+  config.vdim = 10;
+  const auto m = random_module<T>(config, 55);
+  const Matrix<T> X_q = random_normal<T>(9, 16, 56), X_kv = random_normal<T>(11, 10, 57);
+  qkv::AttentionOptions<T> options;
+  options.cu_seqlens_q = {0, 4, 4, 9};
+  options.cu_seqlens_k = {0, 3, 8, 11};
+  const Matrix<T> Y = m.forward(X_q, X_kv, options);
+  const Weights w = weights_of(m);
+  for (std::size_t b = 0; b + 1 < options.cu_seqlens_q.size(); ++b) {
+    const Index q0 = options.cu_seqlens_q[b], nq = options.cu_seqlens_q[b + 1] - q0;
+    const Index k0 = options.cu_seqlens_k[b], nk = options.cu_seqlens_k[b + 1] - k0;
+    const Matrix<double> Xq = X_q.middleRows(q0, nq).template cast<double>();
+    const Matrix<double> Xkv = X_kv.middleRows(k0, nk).template cast<double>();
+    const Matrix<double> expected = brute_force_module(w, Xq, Xkv, Xkv, 4, 2, 4, brute::Params());
+    EXPECT_LE(max_difference(Matrix<T>(Y.middleRows(q0, nq)), expected), tolerance<T>(max_abs(expected)))
+        << "sequence " << b;
+  }
+  // Weights of a varlen call are block diagonal: zero across sequences.
+  const Matrix<T> P = m.attention_weights(X_q, X_kv, 1, options);
+  EXPECT_TRUE(P.block(0, 3, 4, 8).isZero(0));
+  EXPECT_TRUE(P.block(4, 0, 5, 8).isZero(0));
+  EXPECT_NEAR(static_cast<double>(P.block(4, 8, 5, 3).rowwise().sum().minCoeff()), 1.0, 1e-6);
+}
+
+// ---- options pass through ------------------------------------------------------------------------------------------
+
+// Softcap, ALiBi, sinks, an explicit scale and a window reach the core: against the float64 module.
+TYPED_TEST(MultiHeadTyped, OptionsPassThrough) {
+  using T = TypeParam;
+  const auto m = random_module<T>(make_config<T>(24, 4, 2), 61);
+  const Matrix<T> X = random_normal<T>(10, 24, 62);
+  qkv::AttentionOptions<T> options;
+  options.scale = T(0.3);
+  options.softcap = T(2);
+  options.alibi_slopes = {T(0.5), T(0.25), T(0.125), T(0.0625)};
+  options.sinks = {T(0.1), T(-1), T(2), -std::numeric_limits<T>::infinity()};
+  options.causal = true;
+  options.window_left = 3;
+  brute::Params p;
+  p.scale = 0.3;
+  p.softcap = 2;
+  p.alibi_slopes = {0.5, 0.25, 0.125, 0.0625};
+  p.sinks = {0.1, -1, 2, -std::numeric_limits<double>::infinity()};
+  p.causal = true;
+  p.window_left = 3;
+  const Matrix<double> Xd = X.template cast<double>();
+  const Matrix<double> expected = brute_force_module(weights_of(m), Xd, Xd, Xd, 4, 2, 6, p);
+  EXPECT_LE(max_difference(m.forward(X, options), expected), tolerance<T>(max_abs(expected)));
+}
+
+// ---- shape errors ------------------------------------------------------------------------------------------------
+
+TEST(MultiHeadErrors, Config) {
+  using MHA = qkv::MultiHeadAttention<float>;
+  expect_shape_error([] { MHA m(make_config<float>(10, 4)); }, {"d_model 10", "n_heads 4", "head_dim"});
+  expect_shape_error([] { MHA m(make_config<float>(24, 6, 4)); }, {"n_heads 6", "n_kv_heads 4"});
+  expect_shape_error([] { MHA m(make_config<float>(0, 1)); }, {"d_model is 0"});
+  expect_shape_error([] { MHA m(make_config<float>(8, 0)); }, {"n_heads is 0"});
+  expect_shape_error([] { MHA m(make_config<float>(8, 2, -1)); }, {"n_kv_heads is -1"});
+  expect_shape_error([] { MHA m(make_config<float>(8, 2, 0, -3)); }, {"head_dim is -3"});
+  auto c = make_config<float>(8, 2);
+  c.kdim = -2;
+  expect_shape_error([&] { MHA m(c); }, {"kdim is -2"});
+  EXPECT_NO_THROW({ MHA m(make_config<float>(10, 4, 2, 3)); });  // an explicit head_dim need not divide d_model
+}
+
+TEST(MultiHeadErrors, WeightShapes) {
+  auto m = random_module<float>(make_config<float>(12, 3), 71);
+  const auto before = m.W_q;
+  const Matrix<float> in_proj = Matrix<float>::Ones(36, 12), out_proj = Matrix<float>::Ones(12, 12);
+  const Eigen::VectorXf in_bias = Eigen::VectorXf::Ones(36), out_bias = Eigen::VectorXf::Ones(12);
+  expect_shape_error([&] { m.load_pytorch(Matrix<float>(35, 12), in_bias, out_proj, out_bias); },
+                     {"load_pytorch", "in_proj_weight is 35 × 12", "expected 36 × 12"});
+  expect_shape_error([&] { m.load_pytorch(in_proj, Eigen::VectorXf(30), out_proj, out_bias); },
+                     {"in_proj_bias", "30", "36"});
+  expect_shape_error([&] { m.load_pytorch(in_proj, in_bias, Matrix<float>(12, 11), out_bias); },
+                     {"out_proj_weight is 12 × 11", "expected 12 × 12"});
+  expect_shape_error([&] { m.load_pytorch(in_proj, in_bias, out_proj, Eigen::VectorXf(13)); },
+                     {"out_proj_bias", "13", "12"});
+  expect_shape_error([&] { m.load_pytorch(in_proj, Matrix<float>(6, 6), out_proj, out_bias); },
+                     {"in_proj_bias is 6 × 6", "vector of 36"});
+  expect_shape_error([&] { m.load_fused_qkv(Matrix<float>(12, 35), in_bias, out_proj, out_bias); },
+                     {"load_fused_qkv", "W_qkv is 12 × 35", "expected 12 × 36"});
+  expect_shape_error([&] { m.load_fused_qkv(Matrix<float>(12, 36), in_bias, Matrix<float>(11, 12), out_bias); },
+                     {"W_o is 11 × 12", "expected 12 × 12"});
+  EXPECT_EQ(m.W_q, before);  // a failed load changes nothing
+
+  auto no_bias_config = make_config<float>(12, 3);
+  no_bias_config.bias = false;
+  qkv::MultiHeadAttention<float> no_bias(no_bias_config);
+  expect_shape_error([&] { no_bias.load_pytorch(in_proj, in_bias, out_proj, out_bias); },
+                     {"in_proj_bias", "36", "expected a vector of 0", "Config::bias is false"});
+  EXPECT_NO_THROW(no_bias.load_pytorch(in_proj, Eigen::VectorXf(0), out_proj, Eigen::VectorXf(0)));
+
+  auto cross = make_config<float>(12, 3);
+  cross.kdim = 5;
+  cross.vdim = 7;
+  qkv::MultiHeadAttention<float> c(cross);
+  expect_shape_error([&] { c.load_pytorch(in_proj, in_bias, out_proj, out_bias); }, {"kdim is 5", "vdim is 7"});
+  expect_shape_error(
+      [&] {
+        c.load_pytorch(Matrix<float>(12, 12), Matrix<float>(12, 6), Matrix<float>(12, 7), in_bias, out_proj, out_bias);
+      },
+      {"k_proj_weight is 12 × 6", "expected 12 × 5"});
+  expect_shape_error([&] { c.load_fused_qkv(Matrix<float>(12, 36), in_bias, out_proj, out_bias); }, {"kdim is 5"});
+  EXPECT_NO_THROW(c.load_pytorch(Matrix<float>::Ones(12, 12), Matrix<float>::Ones(12, 5), Matrix<float>::Ones(12, 7),
+                                 in_bias, out_proj, out_bias));
+
+  // Public weights assigned a wrong shape are caught by every call.
+  m.W_q = Matrix<float>::Zero(12, 11);
+  expect_shape_error([&] { m.forward(Matrix<float>::Zero(2, 12)); }, {"W_q is 12 × 11", "expected 12 × 12"});
+  m.W_q = before;
+  m.b_v = Eigen::VectorXf::Zero(4);
+  expect_shape_error([&] { m.forward(Matrix<float>::Zero(2, 12)); }, {"b_v", "4", "12"});
+}
+
+TEST(MultiHeadErrors, Inputs) {
+  auto config = make_config<float>(12, 3);
+  config.kdim = 5;
+  config.vdim = 7;
+  const auto m = random_module<float>(config, 72);
+  expect_shape_error(
+      [&] { m.forward(Matrix<float>::Zero(2, 11), Matrix<float>::Zero(3, 5), Matrix<float>::Zero(3, 7)); },
+      {"X_q has 11 columns", "d_model 12"});
+  expect_shape_error(
+      [&] { m.forward(Matrix<float>::Zero(2, 12), Matrix<float>::Zero(3, 6), Matrix<float>::Zero(3, 7)); },
+      {"X_k has 6 columns", "kdim 5"});
+  expect_shape_error(
+      [&] { m.forward(Matrix<float>::Zero(2, 12), Matrix<float>::Zero(3, 5), Matrix<float>::Zero(4, 7)); },
+      {"X_v has 4 rows", "expected 3"});
+  expect_shape_error([&] { m.forward(Matrix<float>::Zero(2, 12), Matrix<float>::Zero(3, 5)); },
+                     {"X_kv has 5 columns", "vdim 7"});
+  expect_shape_error([&] { m.attention_weights(Matrix<float>::Zero(2, 12), Matrix<float>::Zero(3, 5), 3); },
+                     {"head is 3", "[0, 3)"});
+  auto cache = qkv::KVCache<float>(4, 3, 4);
+  expect_shape_error([&] { m.forward(Matrix<float>::Zero(1, 12), cache); }, {"kdim is 5", "vdim is 7"});
+  const auto self = random_module<float>(make_config<float>(12, 3), 73);
+  expect_shape_error([&] { self.forward(Matrix<float>::Zero(1, 13), cache); }, {"X_new has 13 columns", "d_model 12"});
+  expect_shape_error([&] { self.make_cache(-1); }, {"capacity is -1"});
+}
+
+TEST(MultiHeadErrors, CuSeqlens) {
+  const auto m = random_module<float>(make_config<float>(12, 3), 74);
+  const Matrix<float> X = Matrix<float>::Zero(6, 12);
+  qkv::AttentionOptions<float> options;
+  options.cu_seqlens_q = {0, 4, 2, 6};
+  options.cu_seqlens_k = options.cu_seqlens_q;
+  expect_shape_error([&] { m.forward(X, options); }, {"cu_seqlens_q decreases", "4", "2"});
+  options.cu_seqlens_q = options.cu_seqlens_k = {0, 2, 5};
+  expect_shape_error([&] { m.forward(X, options); }, {"cu_seqlens_q ends at 5", "expected 6", "X"});
+  options.cu_seqlens_q = options.cu_seqlens_k = {1, 2, 6};
+  expect_shape_error([&] { m.forward(X, options); }, {"cu_seqlens_q[0] is 1"});
+  options.cu_seqlens_q = {0, 2, 6};
+  options.cu_seqlens_k = {0, 3, 7};
+  expect_shape_error([&] { m.forward(X, Matrix<float>::Zero(5, 12), options); }, {"cu_seqlens_k ends at 7", "5"});
+  expect_shape_error([&] { m.attention_weights(X, X, 0, options); }, {"cu_seqlens_k ends at 7", "6"});
+  expect_shape_error([&] { m.forward(std::vector<Matrix<float>>{X}, options); }, {"cu_seqlens_q/k are set"});
+  expect_shape_error(
+      [&] {
+        m.forward(std::vector<Matrix<float>>{X, Matrix<float>::Zero(2, 11)});
+      },
+      {"sequences[1] has 11 columns"});
+}
+
+// ---- the real pretrained layer: PP-OCRv4's first attention layer ----------------------------------------------------
+
+struct RealLayer {
+  Fixture f = read_fixture(fixture_path("ppocr_v4_block1_attention.qkvt"));
+  Array input = read_npy(fixture_path("ppocr_v4_block1_attention_input.npy"));
+  Array tokens = read_npy(fixture_path("ppocr_v4_block1_tokens.npy"));
+
+  template <class T>
+  qkv::MultiHeadAttention<T> module() const {
+    qkv::MultiHeadAttention<T> m(make_config<T>(120, 8));
+    m.load_fused_qkv(to_matrix<T>(f.at("linear_77.w_0")), to_matrix<T>(f.at("linear_77.b_0")),
+                     to_matrix<T>(f.at("linear_78.w_0")), to_matrix<T>(f.at("linear_78.b_0")));
+    return m;
+  }
+};
+
+const RealLayer& real_layer() {
+  static const RealLayer layer;
+  return layer;
+}
+
+TEST(MultiHeadRealLayer, PpOcrV4FirstAttentionLayerFloat) {
+  const RealLayer& r = real_layer();
+  ASSERT_EQ(r.input.shape, (std::vector<Index>{40, 120}));
+  const auto m = r.module<float>();
+  EXPECT_EQ(m.head_dim(), 15);
+  const Matrix<float> Y = m.forward(to_matrix<float>(r.input));
+  const double vs_f32 = max_difference(Y, to_matrix<double>(r.f.at("torch_attention_f32")));
+  const double vs_f64 = max_difference(Y, to_matrix<double>(r.f.at("torch_attention_f64")));
+  EXPECT_LE(vs_f32, 1e-5);
+  EXPECT_LE(vs_f64, 1e-5);
+  std::cout << "[ real layer ] float: max |Y - torch float32| = " << vs_f32 << ", max |Y - torch float64| = " << vs_f64
+            << ", max |Y| = " << Y.cwiseAbs().maxCoeff() << "\n";
+  RecordProperty("max_difference_vs_torch_f32", scientific(vs_f32));
+  RecordProperty("max_difference_vs_torch_f64", scientific(vs_f64));
+}
+
+TEST(MultiHeadRealLayer, PpOcrV4FirstAttentionLayerDouble) {
+  const RealLayer& r = real_layer();
+  const Matrix<double> Y = r.module<double>().forward(to_matrix<double>(r.input));
+  const Matrix<double> expected = to_matrix<double>(r.f.at("torch_attention_f64"));
+  const double error = max_difference(Y, expected);
+  EXPECT_LE(error, tolerance<double>(max_abs(expected)));
+  std::cout << "[ real layer ] double: max |Y - torch float64| = " << error << "\n";
+}
+
+/// LayerNorm over each row (features), in double: (x − mean) / sqrt(var + eps)·w + b, biased variance as PyTorch.
+Matrix<double> layer_norm(const Matrix<double>& x, const Matrix<double>& w, const Matrix<double>& b, double eps) {
+  Matrix<double> y(x.rows(), x.cols());
+  for (Index i = 0; i < x.rows(); ++i) {
+    const double mean = x.row(i).mean();
+    const double var = (x.row(i).array() - mean).square().mean();
+    y.row(i) = ((x.row(i).array() - mean) / std::sqrt(var + eps) * w.row(0).array() + b.row(0).array()).matrix();
+  }
+  return y;
+}
+
+// The pre-LN attention sub-block (seed 002 §3.3: attention, W_O, residual; LayerNorm first, as SVTR's block does):
+// LayerNorm(tokens) reproduces the model's own post-LN input, and tokens + MHA(LayerNorm(tokens)) PyTorch's block.
+TEST(MultiHeadRealLayer, PreLayerNormSubBlock) {
+  const RealLayer& r = real_layer();
+  const Matrix<double> tokens = to_matrix<double>(r.tokens);
+  const Matrix<double> normed = layer_norm(tokens, to_matrix<double>(r.f.at("layer_norm_43.w_0")),
+                                           to_matrix<double>(r.f.at("layer_norm_43.b_0")), 1e-5);
+  const double ln_error = max_difference(normed, to_matrix<double>(r.input));
+  EXPECT_LE(ln_error, 1e-5);  // the model's float32 LayerNorm against ours in double
+  const Matrix<float> block = tokens.cast<float>() + r.module<float>().forward(normed.cast<float>());
+  const Matrix<double> expected = to_matrix<double>(r.f.at("torch_block_f64"));
+  const double block_error = max_difference(block, expected);
+  EXPECT_LE(block_error, 1e-5 * std::max(1.0, max_abs(expected)));
+  std::cout << "[ real layer ] LayerNorm vs model: " << ln_error << ", block vs torch float64: " << block_error
+            << " (max |block| = " << max_abs(expected) << ")\n";
+}
+
+TEST(MultiHeadFixtures, HostIsLittleEndian) { EXPECT_TRUE(little_endian()); }
+
+}  // namespace
