@@ -331,8 +331,10 @@ class FusedAttention {
     build_tasks();
     zeros_.assign(static_cast<std::size_t>(shape_.Dv), 0.0f);
     const Index n_tasks = static_cast<Index>(tasks_.size());
+    // A team costs microseconds to wake; below about a million multiply-adds one thread is faster.
+    const bool parallel = n_tasks > 1 && work_ > (Index(1) << 20);
 #if defined(_OPENMP)
-#pragma omp parallel if (n_tasks > 1)
+#pragma omp parallel if (parallel)
 #endif
     {
       FusedScratch scratch;
@@ -380,7 +382,7 @@ class FusedAttention {
     }
     packed_.resize(static_cast<std::size_t>(std::max<Index>(1, packed_offset_.back())));
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && packed_offset_.back() > (Index(1) << 16))
 #endif
     for (Index task = 0; task < n; ++task) {
       const Index b = task / shape_.Hkv, h_kv = task % shape_.Hkv;
@@ -396,6 +398,7 @@ class FusedAttention {
   void build_tasks() {
     tasks_.clear();
     partial_count_ = 0;
+    work_ = 0;
     for (Index b = 0; b < shape_.n_sequences; ++b) {
       const std::size_t s = static_cast<std::size_t>(b);
       const Index sq = shape_.q_rows[s].length, skv = shape_.key_counts[s];
@@ -414,6 +417,7 @@ class FusedAttention {
             t.key_end = chunks == 1 ? skv : std::min(skv, (c + 1) * Tiles::kSplitKeys);
             t.partial = chunks == 1 ? -1 : partial_count_++;
             tasks_.push_back(t);
+            work_ += (t.i_end - t.i_begin) * G_ * (t.key_end - t.key_begin) * (shape_.D + shape_.Dv);
           }
         }
       }
@@ -671,6 +675,7 @@ class FusedAttention {
   std::vector<char> decode_;  ///< per sequence: K read in place (decoding) rather than packed
   std::vector<FusedTask> tasks_;
   Index partial_count_ = 0;
+  Index work_ = 0;  ///< multiply-adds of every task, upper bound (for the threading decision)
   std::vector<float> zeros_;  ///< the output of a sink state
 };
 
