@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/simd/simd.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -381,6 +382,65 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
   EXPECT_LE(g_allocated_bytes, kv_bytes + (std::size_t(4) << 20)) << "allocated " << g_allocated_bytes;
   EXPECT_LT(g_largest_allocation, std::size_t(T) * std::size_t(T) * sizeof(float) / 16);
   EXPECT_NEAR(out[0], 1.0f, 1e-6f);
+}
+
+
+// The kernel for every SIMD tag the build enables, in one binary: FusedAttention<Tag> against the reference.
+using KernelTags = ::testing::Types<qkv::simd::ScalarTag
+#if defined(__AVX2__) && defined(__FMA__)
+                                    ,
+                                    qkv::simd::Avx2Tag
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+                                    ,
+                                    qkv::simd::Avx512Tag
+#endif
+                                    >;
+
+template <class Tag>
+struct FusedPerTag : ::testing::Test {};
+TYPED_TEST_SUITE(FusedPerTag, KernelTags, );
+
+TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  for (int trial = 0; trial < 12; ++trial) {
+    const Index Hq = 4, Hkv = trial % 2 == 0 ? 2 : 4, Sq = trial < 6 ? 70 + trial : 1 + trial % 3, Skv = 130 + 37 * trial;
+    const Index D = trial % 3 == 0 ? 33 : 64, Dv = trial % 4 == 0 ? 17 : D;
+    std::vector<float> q(static_cast<std::size_t>(Hq * Sq * D)), k(static_cast<std::size_t>(Hkv * Skv * D)),
+        v(static_cast<std::size_t>(Hkv * Skv * Dv)), out(static_cast<std::size_t>(Hq * Sq * Dv));
+    for (auto* x : {&q, &k, &v})
+      for (auto& e : *x) e = normal(rng);
+    qkv::AttentionOptions<float> o;
+    o.causal = trial % 3 != 1;
+    o.window_left = trial % 5 == 0 ? 20 : -1;
+    const auto qv = qkv::view_bhsd<const float>(q.data(), 1, Hq, Sq, D);
+    const auto kv = qkv::view_bhsd<const float>(k.data(), 1, Hkv, Skv, D);
+    const auto vv = qkv::view_bhsd<const float>(v.data(), 1, Hkv, Skv, Dv);
+    const auto ov = qkv::view_bhsd(out.data(), 1, Hq, Sq, Dv);
+    const auto shape = qkv::detail::validate<float>("test", qv, kv, &vv, &ov, nullptr, o);
+    qkv::detail::FusedAttention<TypeParam>(shape, qv, kv, vv, ov, nullptr, o).run();
+    // Expected: the float64 reference on the same (float) inputs.
+    std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), ref(out.size());
+    qkv::AttentionOptions<double> o64;
+    o64.causal = o.causal;
+    o64.window_left = o.window_left;
+    qkv::attention(qkv::view_bhsd<const double>(q64.data(), 1, Hq, Sq, D), qkv::view_bhsd<const double>(k64.data(), 1, Hkv, Skv, D),
+                   qkv::view_bhsd<const double>(v64.data(), 1, Hkv, Skv, Dv), qkv::view_bhsd(ref.data(), 1, Hq, Sq, Dv), o64);
+    // The accuracy rule, with the plain float implementation of this file as the yardstick.
+    Case c;
+    c.Hq = Hq, c.Hkv = Hkv, c.Sq = Sq, c.Skv = Skv, c.D = D, c.Dv = Dv;
+    c.options = o;
+    std::vector<float> plain(out.size());
+    plain_float(c, qv, kv, vv, qkv::view_bhsd(plain.data(), 1, Hq, Sq, Dv));
+    double err = 0, err_plain = 0, max_v = 0;
+    for (std::size_t n = 0; n < out.size(); ++n) {
+      err = std::max(err, std::fabs(out[n] - ref[n]));
+      err_plain = std::max(err_plain, std::fabs(plain[n] - ref[n]));
+    }
+    for (float x : v) max_v = std::max(max_v, std::fabs(double(x)));
+    EXPECT_LE(err, 2 * err_plain + 1e-6 * std::max(1.0, max_v)) << TypeParam::kName << " trial " << trial;
+  }
 }
 
 }  // namespace
