@@ -251,13 +251,17 @@ Case random_case(std::mt19937& rng, const std::vector<Index>& dims, Index max_le
   return c;
 }
 
+/// Sanitizer and valgrind runs set QKV_REDUCED_GRID=1 (their test presets): shorter sequences, fewer trials.
+bool reduced_grid() { return std::getenv("QKV_REDUCED_GRID") != nullptr; }
+
 struct FusedGrid : ::testing::TestWithParam<int> {};
 
 TEST_P(FusedGrid, QuickSlice) {
   std::mt19937 rng(static_cast<unsigned>(1000 + GetParam()));
   const std::vector<Index> dims = {1, 3, 8, 15, 16, 33, 64, 80};
-  for (int trial = 0; trial < 6; ++trial) {
-    Case c = random_case(rng, dims, 300);
+  const int trials = reduced_grid() ? 2 : 6;
+  for (int trial = 0; trial < trials; ++trial) {
+    Case c = random_case(rng, dims, reduced_grid() ? 120 : 300);
     check_case(c, static_cast<unsigned>(GetParam() * 100 + trial));
     if (HasFailure()) return;
   }
@@ -312,7 +316,7 @@ TEST(Fused, DecodeShapesWithEveryOption) {
   // Sq·G ≤ 16 reads K in place; long key ranges split into chunks. Every option, several seeds.
   std::mt19937 rng(4242);
   const std::vector<Index> dims = {3, 16, 64, 80, 128};
-  for (int trial = 0; trial < 24; ++trial) {
+  for (int trial = 0; trial < (reduced_grid() ? 6 : 24); ++trial) {
     Case c = random_case(rng, dims, 3000);
     c.Sq = std::uniform_int_distribution<Index>(1, 2)(rng);
     if (!c.options.cu_seqlens_q.empty()) {

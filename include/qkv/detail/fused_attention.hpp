@@ -335,6 +335,8 @@ class FusedAttention {
     const bool parallel = n_tasks > 1 && work_ > (Index(1) << 20);
 #if defined(_OPENMP)
 #pragma omp parallel if (parallel)
+#else
+    (void)parallel;
 #endif
     {
       FusedScratch scratch;
