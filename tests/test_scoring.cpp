@@ -146,6 +146,11 @@ template <class T>
 void expect_result(const qkv::ScoredAttention<T>& r, const Expected& x, const std::string& what) {
   const double tol = tolerance<T>();
   ASSERT_EQ(r.scores.rows(), Index(x.scores.size())) << what;
+  // Every encoder position has a column, padded ones included (−∞ score, weight 0): steps × T.
+  for (std::size_t t = 0; t < x.scores.size(); ++t) {
+    ASSERT_EQ(r.scores.cols(), Index(x.scores[t].size())) << what << " scores are steps × T";
+    ASSERT_EQ(r.weights.cols(), Index(x.scores[t].size())) << what << " weights are steps × T";
+  }
   for (Index t = 0; t < r.scores.rows(); ++t) {
     double row_sum = 0, expected_sum = 0;
     for (Index j = 0; j < r.scores.cols(); ++j) {

@@ -19,8 +19,8 @@ class shape_error : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-/// Thrown when a backend is asked for explicitly where it does not exist for the scalar type (for example
-/// `Backend::fused` before the fused kernel exists for T).
+/// Thrown when a backend is asked for explicitly where it does not exist for the scalar type (`Backend::fused`
+/// with double: the fused kernel exists for float only).
 class unsupported_error : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;

@@ -109,12 +109,13 @@ inline bool scoring_allowed(const ScoringOptions& options, Index t, Index j) {
   return a.empty() || a(0, 0, a.extent(2) == 1 ? 0 : t, j);
 }
 
-/// e(t, j) = Σ_a v_a(a)·tanh(A_s(t, a) + A_h(j, a)) for j < length, −∞ elsewhere (the masks are applied later).
-/// A_s is steps × d_a, A_h is T × d_a. One T × d_a scratch; O(steps·length·d_a) tanh.
+/// e(t, j) = Σ_a v_a(a)·tanh(A_s(t, a) + A_h(j, a)) for j < length, −∞ for length ≤ j < T (the masks are
+/// applied later). A_s is steps × d_a, A_h is (at least) length × d_a; e is steps × T. One length × d_a scratch;
+/// O(steps·length·d_a) tanh.
 template <class Scalar>
 Matrix<Scalar> additive_scores(const Matrix<Scalar>& A_s, const Matrix<Scalar>& A_h,
-                               const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& v_a, Index length) {
-  Matrix<Scalar> e = Matrix<Scalar>::Constant(A_s.rows(), A_h.rows(), -std::numeric_limits<Scalar>::infinity());
+                               const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& v_a, Index length, Index T) {
+  Matrix<Scalar> e = Matrix<Scalar>::Constant(A_s.rows(), T, -std::numeric_limits<Scalar>::infinity());
   Matrix<Scalar> hidden(length, A_h.cols());
   for (Index t = 0; t < A_s.rows(); ++t) {
     hidden = (A_h.topRows(length).rowwise() + A_s.row(t)).array().tanh();
@@ -236,7 +237,7 @@ class AdditiveAttention {
     const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
     const detail::ScoringRef<Scalar> h = H.derived();
     const Matrix<Scalar> A_s = S * W_s, A_h = h.topRows(length) * W_h;
-    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length), h, options, length,
+    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options, length,
                                           with_weights);
   }
 
@@ -407,7 +408,7 @@ class ConcatAttention {
     const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
     const detail::ScoringRef<Scalar> h = H.derived();
     const Matrix<Scalar> A_s = S * W_a.topRows(d_s), A_h = h.topRows(length) * W_a.bottomRows(d_h);
-    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length), h, options, length,
+    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options, length,
                                           with_weights);
   }
 };
