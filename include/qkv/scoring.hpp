@@ -237,8 +237,8 @@ class AdditiveAttention {
     const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
     const detail::ScoringRef<Scalar> h = H.derived();
     const Matrix<Scalar> A_s = S * W_s, A_h = h.topRows(length) * W_h;
-    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options, length,
-                                          with_weights);
+    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options,
+                                          length, with_weights);
   }
 
   void check_weights(const char* function) const {
@@ -408,8 +408,8 @@ class ConcatAttention {
     const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
     const detail::ScoringRef<Scalar> h = H.derived();
     const Matrix<Scalar> A_s = S * W_a.topRows(d_s), A_h = h.topRows(length) * W_a.bottomRows(d_h);
-    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options, length,
-                                          with_weights);
+    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options,
+                                          length, with_weights);
   }
 };
 

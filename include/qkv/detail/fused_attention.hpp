@@ -349,12 +349,6 @@ class FusedAttention {
     merge_partials();
   }
 
-  /// Floats of scratch one thread allocates (for the no-O(Sq·Skv) test): Q block, acc_s, acc_o, row state.
-  Index scratch_floats() const noexcept {
-    const Index M = max_block_rows();
-    return M * shape_.D + M * Tiles::kBlockN + M * shape_.Dv + 2 * M;
-  }
-
  private:
   Index max_block_rows() const noexcept { return G_ * rows_per_tile_; }
   std::size_t kv_index(Index b, Index h_kv) const noexcept { return static_cast<std::size_t>(b * shape_.Hkv + h_kv); }
