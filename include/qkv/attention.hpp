@@ -64,6 +64,26 @@ std::array<std::uintptr_t, 2> byte_span(const TensorView<T, Rank>& view) {
   return {begin, begin + static_cast<std::uintptr_t>(last + 1) * sizeof(T)};
 }
 
+/// "extents [2, 4, 3, 3], strides [36, 9, 3, 1]": how a view lays out its elements, for error messages.
+template <class T, int Rank>
+std::string layout_string(const TensorView<T, Rank>& view) {
+  std::string text = "extents [";
+  for (int axis = 0; axis < Rank; ++axis) text += (axis ? ", " : "") + std::to_string(view.extent(axis));
+  text += "], strides [";
+  for (int axis = 0; axis < Rank; ++axis) text += (axis ? ", " : "") + std::to_string(view.stride(axis));
+  return text + "]";
+}
+
+/// "starts 20 bytes after q, which spans 384 bytes": where two overlapping views lie, for error messages.
+template <class A, int RankA, class B, int RankB>
+std::string overlap_string(const char* a_name, const TensorView<A, RankA>& a, const char* b_name,
+                           const TensorView<B, RankB>& b) {
+  const auto sa = byte_span(a), sb = byte_span(b);
+  const bool after = sa[0] >= sb[0];
+  return concat(a_name, " (", sa[1] - sa[0], " bytes) starts ", after ? sa[0] - sb[0] : sb[0] - sa[0], " bytes ",
+                after ? "after" : "before", " the start of ", b_name, " (", sb[1] - sb[0], " bytes)");
+}
+
 template <class A, int RankA, class B, int RankB>
 bool overlaps(const TensorView<A, RankA>& a, const TensorView<B, RankB>& b) {
   const auto sa = byte_span(a), sb = byte_span(b);
@@ -161,19 +181,30 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
     const char* const from[] = {"the extent of q axis 0", "the extent of q axis 1", "the extent of q axis 2",
                                 "the extent of v axis 3"};
     for (int axis = 0; axis < 4; ++axis) check_extent(function, "out", *out, axis, out_names, expected[axis], from[axis]);
-    check_shape(self_overlap_free(*out), function, ": out has strides whose elements overlap");
-    check_shape(!overlaps(*out, q) && !overlaps(*out, k) && !overlaps(*out, *v), function,
-                ": out overlaps an input (q, k or v); outputs must not alias inputs");
+    check_shape(self_overlap_free(*out), function, ": out has strides whose elements overlap (", layout_string(*out),
+                "): distinct indices would write the same element");
+    const TensorView4<const T>* inputs[] = {&q, &k, v};
+    const char* const input_names[] = {"q", "k", "v"};
+    for (int n = 0; n < 3; ++n) {
+      check_shape(!overlaps(*out, *inputs[n]), function, ": out overlaps an input (", input_names[n], "): ",
+                  overlap_string("out", *out, input_names[n], *inputs[n]), "; outputs must not alias inputs");
+    }
   }
   if (lse != nullptr) {
     check_view(function, "lse", *lse, lse_names);
     const Index expected[] = {B, Hq, Sq};
     for (int axis = 0; axis < 3; ++axis)
       check_extent(function, "lse", *lse, axis, lse_names, expected[axis], "the extents of q axes 0-2");
-    check_shape(self_overlap_free(*lse), function, ": lse has strides whose elements overlap");
-    check_shape(!overlaps(*lse, q) && !overlaps(*lse, k) && (v == nullptr || !overlaps(*lse, *v)), function,
-                ": lse overlaps an input (q, k or v)");
-    check_shape(out == nullptr || !overlaps(*lse, *out), function, ": lse overlaps out");
+    check_shape(self_overlap_free(*lse), function, ": lse has strides whose elements overlap (", layout_string(*lse),
+                "): distinct indices would write the same element");
+    const TensorView4<const T>* inputs[] = {&q, &k, v};
+    const char* const input_names[] = {"q", "k", "v"};
+    for (int n = 0; n < 3; ++n) {
+      check_shape(inputs[n] == nullptr || !overlaps(*lse, *inputs[n]), function, ": lse overlaps an input (",
+                  input_names[n], "): ", overlap_string("lse", *lse, input_names[n], *inputs[n]));
+    }
+    check_shape(out == nullptr || !overlaps(*lse, *out), function, ": lse overlaps out: ",
+                out == nullptr ? std::string() : overlap_string("lse", *lse, "out", *out));
   }
 
   // Options.
@@ -222,9 +253,14 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
     check_shape(options.cu_seqlens_q.size() == options.cu_seqlens_k.size(), function, ": options.cu_seqlens_q has ",
                 options.cu_seqlens_q.size(), " entries and options.cu_seqlens_k ", options.cu_seqlens_k.size(),
                 ", expected the same (B+1)");
-    check_shape(options.key_lengths.empty(), function, ": options.key_lengths cannot be combined with cu_seqlens");
-    check_shape(!has_allowed, function, ": options.allowed cannot be combined with cu_seqlens");
-    check_shape(!has_bias, function, ": options.bias cannot be combined with cu_seqlens");
+    const std::size_t n_cu = options.cu_seqlens_q.size();
+    check_shape(options.key_lengths.empty(), function, ": options.key_lengths cannot be combined with cu_seqlens (it has ",
+                options.key_lengths.size(), " entries, cu_seqlens_q ", n_cu,
+                "): varlen sequences end where cu_seqlens_k says");
+    check_shape(!has_allowed, function, ": options.allowed cannot be combined with cu_seqlens (it has ",
+                layout_string(options.allowed), "; cu_seqlens_q has ", n_cu, " entries)");
+    check_shape(!has_bias, function, ": options.bias cannot be combined with cu_seqlens (it has ",
+                layout_string(options.bias), "; cu_seqlens_q has ", n_cu, " entries)");
     shape.n_sequences = static_cast<Index>(options.cu_seqlens_q.size()) - 1;
     for (Index b = 0; b < shape.n_sequences; ++b) {
       const std::size_t s = static_cast<std::size_t>(b);
@@ -416,18 +452,27 @@ void merge_attention_states(non_deduced_t<TensorView4<const T>> out_a, non_deduc
   const TensorView3<const T> lse_view = lse;
   const bool out_in_place = out.data() == out_a.data() && out.strides() == out_a.strides();
   const bool lse_in_place = lse.data() == lse_a.data() && lse.strides() == lse_a.strides();
-  detail::check_shape(detail::self_overlap_free(out) && detail::self_overlap_free(lse), function,
-                      ": out or lse has strides whose elements overlap");
+  detail::check_shape(detail::self_overlap_free(out), function, ": out has strides whose elements overlap (",
+                      detail::layout_string(out), "): distinct indices would write the same element");
+  detail::check_shape(detail::self_overlap_free(lse), function, ": lse has strides whose elements overlap (",
+                      detail::layout_string(lse), "): distinct indices would write the same element");
   detail::check_shape(out_in_place || !detail::overlaps(out_view, out_a), function,
-                      ": out overlaps out_a without being the same view (only exact in-place use is allowed)");
+                      ": out overlaps out_a without being the same view (only exact in-place use is allowed): ",
+                      detail::overlap_string("out", out_view, "out_a", out_a));
   detail::check_shape(lse_in_place || !detail::overlaps(lse_view, lse_a), function,
-                      ": lse overlaps lse_a without being the same view (only exact in-place use is allowed)");
-  detail::check_shape(!detail::overlaps(out_view, out_b) && !detail::overlaps(out_view, lse_a) &&
-                          !detail::overlaps(out_view, lse_b) && !detail::overlaps(out_view, lse_view),
-                      function, ": out overlaps out_b, lse_a, lse_b or lse");
-  detail::check_shape(!detail::overlaps(lse_view, lse_b) && !detail::overlaps(lse_view, out_a) &&
-                          !detail::overlaps(lse_view, out_b),
-                      function, ": lse overlaps lse_b, out_a or out_b");
+                      ": lse overlaps lse_a without being the same view (only exact in-place use is allowed): ",
+                      detail::overlap_string("lse", lse_view, "lse_a", lse_a));
+  const auto check_apart = [function](const char* a_name, const auto& a, const char* b_name, const auto& b) {
+    detail::check_shape(!detail::overlaps(a, b), function, ": ", a_name, " overlaps ", b_name, ": ",
+                        detail::overlap_string(a_name, a, b_name, b));
+  };
+  check_apart("out", out_view, "out_b", out_b);
+  check_apart("out", out_view, "lse_a", lse_a);
+  check_apart("out", out_view, "lse_b", lse_b);
+  check_apart("out", out_view, "lse", lse_view);
+  check_apart("lse", lse_view, "lse_b", lse_b);
+  check_apart("lse", lse_view, "out_a", out_a);
+  check_apart("lse", lse_view, "out_b", out_b);
   const Index Dv = out_a.extent(3);
   for (Index b = 0; b < out_a.extent(0); ++b) {
     for (Index h = 0; h < out_a.extent(1); ++h) {

@@ -89,8 +89,13 @@ inline Index check_scoring_options(const char* function, const ScoringOptions& o
                 ", expected a length in [0, ", T, "] (the rows of H)");
   }
   const TensorView4<const bool>& a = options.allowed;
-  if (a.empty()) return length;
-  check_shape(a.data() != nullptr, function, ": options.allowed has ", a.size(), " elements but null data");
+  // "No mask" is the default view (null data, every extent 0). A view with an extent 0 where steps or T is not 0 is
+  // a wrong shape, not "no mask": the checks below reject it.
+  bool unset = a.data() == nullptr;
+  for (Index e : a.extents()) unset = unset && e == 0;
+  if (unset) return length;
+  check_shape(a.empty() || a.data() != nullptr, function, ": options.allowed has ", a.size(),
+              " elements but null data");
   check_shape(a.extent(0) == 1, function, ": options.allowed axis 0 (B) has extent ", a.extent(0), ", expected 1");
   check_shape(a.extent(1) == 1, function, ": options.allowed axis 1 (H) has extent ", a.extent(1), ", expected 1");
   check_shape(a.extent(2) == steps || a.extent(2) == 1, function, ": options.allowed axis 2 (steps) has extent ",

@@ -51,6 +51,8 @@ inline PackedShape packed_shape(const char* function, Heads heads, Index q_cols,
   check_shape(s.Hq % s.Hkv == 0, function, ": Heads::n_heads ", s.Hq, " is not a multiple of Heads::n_kv_heads ",
               s.Hkv);
   check_shape(q_cols % s.Hq == 0, function, ": Q has ", q_cols, " columns, not a multiple of n_heads ", s.Hq);
+  check_shape(q_cols >= s.Hq, function, ": Q has ", q_cols, " columns, expected at least n_heads ", s.Hq,
+              " (head_dim = columns / n_heads must be at least 1)");
   s.dk = q_cols / s.Hq;
   check_shape(k_cols == s.Hkv * s.dk, function, ": K has ", k_cols, " columns, expected ", s.Hkv * s.dk,
               " (n_kv_heads ", s.Hkv, " × head_dim ", s.dk, " from Q)");
