@@ -74,7 +74,8 @@ struct MergeCall {
                      b_lse = std::vector<float>(kRoom, 0.0f), lse = std::vector<float>(kRoom, 0.0f);
   static TensorView4<float> view4(float* x) { return TensorView4<float>(x, {1, 2, 4, 3}); }
   static TensorView3<float> view3(float* x) { return TensorView3<float>(x, {1, 2, 4}); }
-  void run(TensorView4<float> out_b, TensorView3<float> lse_a, TensorView4<float> out_view, TensorView3<float> lse_view) {
+  void run(TensorView4<float> out_b, TensorView3<float> lse_a, TensorView4<float> out_view,
+           TensorView3<float> lse_view) {
     qkv::merge_attention_states(view4(a_out.data()), lse_a, out_b, view3(b_lse.data()), out_view, lse_view);
   }
 };
@@ -179,8 +180,8 @@ std::vector<Row> table() {
         c.out = TensorView4<float>(c.q_data.data() + 5, {2, 4, 3, 3});
         c.run();
       });
-  add("out on v's memory", core, "out overlaps an input (v): out (288 bytes) starts 0 bytes after the start of v (240 bytes)",
-      [] {
+  add("out on v's memory", core,
+      "out overlaps an input (v): out (288 bytes) starts 0 bytes after the start of v (240 bytes)", [] {
         Call c;
         c.out = TensorView4<float>(c.v_data.data(), {2, 4, 3, 3});
         c.run();
@@ -304,11 +305,12 @@ std::vector<Row> table() {
 
   // ---- merge_attention_states ----------------------------------------------------------------------------------
   const std::string merge = "qkv::merge_attention_states";
-  add("out_b with Dv 2, out_a with Dv 3", merge, "out_b axis 3 (Dv) has extent 2, expected 3 (the extent of out_a)", [] {
-    MergeCall m;
-    m.run(TensorView4<float>(m.b_out.data(), {1, 2, 4, 2}), MergeCall::view3(m.a_lse.data()),
-          MergeCall::view4(m.out.data()), MergeCall::view3(m.lse.data()));
-  });
+  add("out_b with Dv 2, out_a with Dv 3", merge, "out_b axis 3 (Dv) has extent 2, expected 3 (the extent of out_a)",
+      [] {
+        MergeCall m;
+        m.run(TensorView4<float>(m.b_out.data(), {1, 2, 4, 2}), MergeCall::view3(m.a_lse.data()),
+              MergeCall::view4(m.out.data()), MergeCall::view3(m.lse.data()));
+      });
   add("lse with S 3, out_a with S 4", merge, "lse axis 2 (S) has extent 3, expected 4 (the extent of out_a)", [] {
     MergeCall m;
     m.run(MergeCall::view4(m.b_out.data()), MergeCall::view3(m.a_lse.data()), MergeCall::view4(m.out.data()),
@@ -397,12 +399,13 @@ std::vector<Row> table() {
     config.n_kv_heads = 4;
     qkv::MultiHeadAttention<float> mha(config);
   });
-  add("Config d_model 10, n_heads 4, head_dim 0", module, "Config::d_model 10 is not divisible by Config::n_heads 4", [] {
-    qkv::MultiHeadAttention<float>::Config config;
-    config.d_model = 10;
-    config.n_heads = 4;
-    qkv::MultiHeadAttention<float> mha(config);
-  });
+  add("Config d_model 10, n_heads 4, head_dim 0", module, "Config::d_model 10 is not divisible by Config::n_heads 4",
+      [] {
+        qkv::MultiHeadAttention<float>::Config config;
+        config.d_model = 10;
+        config.n_heads = 4;
+        qkv::MultiHeadAttention<float> mha(config);
+      });
   add("forward: X with 5 columns, d_model 8", forward, "X has 5 columns, expected d_model 8", [] {
     const auto mha = small_module();
     (void)mha.forward(qkv::Matrix<float>::Ones(3, 5));
@@ -524,8 +527,8 @@ TEST_P(Malformed, ThrowsShapeErrorNamingFunctionArgumentAndSizes) {
     ADD_FAILURE() << "expected qkv::shape_error, got another exception: " << e.what();
     return;
   }
-  EXPECT_EQ(message.rfind(row.function + ": ", 0), 0u) << "the message does not start with '" << row.function
-                                                       << ": ': " << message;
+  EXPECT_EQ(message.rfind(row.function + ": ", 0), 0u)
+      << "the message does not start with '" << row.function << ": ': " << message;
   EXPECT_NE(message.find(row.excerpt), std::string::npos) << "'" << row.excerpt << "' not in: " << message;
   if (std::getenv("QKV_PRINT_MALFORMED_ROWS") != nullptr) {
     std::cout << "| " << row.id << " | " << row.input << " | `" << row.function << "` | `" << message << "` |\n";

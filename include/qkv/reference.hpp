@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "qkv/config.hpp"
 #include "qkv/mask.hpp"
@@ -84,22 +85,26 @@ void head_attention(const Eigen::MatrixBase<QDerived>& q, const Eigen::MatrixBas
   AccMatrix weights;
   AccVector row_lse;
   head_weights(q, k, mask, sink, weights, row_lse);
-  const AccMatrix values = v.topRows(skv).template cast<Acc>();
-  if (values.allFinite()) {
-    // Hidden weights are exactly 0 and every value is finite: the product equals the selective sum.
-    out = (weights.leftCols(skv) * values).template cast<T>();
-  } else {
-    // Some value is NaN or ∞: sum over the keys with a non-zero weight only (NaN weights included, so an
-    // undefined row stays undefined), so hidden slots are never read.
-    Eigen::Matrix<Acc, 1, Eigen::Dynamic> acc(values.cols());
+  AccMatrix values = v.topRows(skv).template cast<Acc>();
+  // Value rows holding NaN or ∞ are zeroed for the product and summed separately for the rows that give them a
+  // non-zero weight (NaN weights included, so an undefined row stays undefined). Hidden weights are exactly 0, so
+  // hidden slots are never read, and a row that reads no such value gets the same product, to the bit, as if those
+  // slots held any finite number (NaN elsewhere changes no other row, not even its rounding).
+  std::vector<Index> bad_rows;
+  for (Index j = 0; j < skv; ++j) {
+    if (!values.row(j).allFinite()) bad_rows.push_back(j);
+  }
+  // One evaluation for both cases, so the rounding of a row cannot depend on whether another row saw a bad value.
+  const AccMatrix bad_values = values(bad_rows, Eigen::all);
+  for (Index j : bad_rows) values.row(j).setZero();
+  AccMatrix product = weights.leftCols(skv) * values;
+  for (std::size_t n = 0; n < bad_rows.size(); ++n) {
     for (Index i = 0; i < sq; ++i) {
-      acc.setZero();
-      for (Index j = 0; j < skv; ++j) {
-        if (weights(i, j) != Acc(0)) acc += weights(i, j) * values.row(j);
-      }
-      out.row(i) = acc.template cast<T>();
+      const Acc weight = weights(i, bad_rows[n]);
+      if (weight != Acc(0)) product.row(i) += weight * bad_values.row(static_cast<Index>(n));
     }
   }
+  out = product.template cast<T>();
   if (lse != nullptr) {
     for (Index i = 0; i < sq; ++i) lse[i * lse_stride] = static_cast<T>(row_lse(i));
   }

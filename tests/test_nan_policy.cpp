@@ -1,0 +1,506 @@
+// DESIGN.md's NaN/Inf policy ("Semantics every path shares"), one test per statement, each run on the reference and
+// fused backends in float and on the reference backend in double (the fused kernel exists for float only), with GQA
+// (Hq = 4, Hkv = 2) throughout and varlen where it matters.
+//
+// Expected values: the float64 brute force of tests/brute_force.hpp on the same (rounded) inputs, or values known by
+// construction (zeros, −∞, the sink logit, a one-hot row). "No other row changes" is checked exactly: the rows a
+// poisoned input does not touch must be bit-identical to the same call with the poison replaced by finite values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "brute_force.hpp"
+#include "qkv/attention.hpp"
+
+namespace {
+
+using qkv::Index;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+std::size_t flat(long n1, long n2, long n3, long i0, long i1, long i2, long i3) {
+  return static_cast<std::size_t>(((i0 * n1 + i1) * n2 + i2) * n3 + i3);
+}
+
+struct Problem {
+  brute::Params p;
+  std::vector<double> q, k, v;
+  double& q_at(long b, long h, long i, long d) { return q[flat(p.Hq, p.Sq, p.D, b, h, i, d)]; }
+  double& k_at(long b, long h, long j, long d) { return k[flat(p.Hkv, p.Skv, p.D, b, h, j, d)]; }
+  double& v_at(long b, long h, long j, long d) { return v[flat(p.Hkv, p.Skv, p.Dv, b, h, j, d)]; }
+};
+
+/// Random normal q, k, v for the given extents (GQA by default: Hq = 4, Hkv = 2).
+Problem make_problem(long B, long Sq, long Skv, std::uint64_t seed, long Hq = 4, long Hkv = 2, long D = 8,
+                     long Dv = 5) {
+  Problem pr;
+  pr.p.B = B;
+  pr.p.Hq = Hq;
+  pr.p.Hkv = Hkv;
+  pr.p.Sq = Sq;
+  pr.p.Skv = Skv;
+  pr.p.D = D;
+  pr.p.Dv = Dv;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (auto [values, n] :
+       {std::pair{&pr.q, B * Hq * Sq * D}, std::pair{&pr.k, B * Hkv * Skv * D}, std::pair{&pr.v, B * Hkv * Skv * Dv}}) {
+    values->resize(static_cast<std::size_t>(n));
+    for (double& x : *values) x = normal(rng);
+  }
+  return pr;
+}
+
+template <class T>
+Problem rounded(Problem pr) {  // the inputs as the library sees them in T (NaN and ±∞ stay what they are)
+  for (std::vector<double>* values : {&pr.q, &pr.k, &pr.v, &pr.p.sinks})
+    for (double& x : *values) x = static_cast<double>(static_cast<T>(x));
+  if (pr.p.bias)
+    for (double& x : pr.p.bias->data) x = static_cast<double>(static_cast<T>(x));
+  return pr;
+}
+
+struct Output {
+  std::vector<double> out, lse;
+};
+
+/// Runs qkv::attention (the form with lse) in T on `backend`. Outputs start as NaN, so an unwritten element shows.
+template <class T>
+Output run(const Problem& pr, qkv::Backend backend) {
+  const brute::Params& p = pr.p;
+  const std::vector<T> q(pr.q.begin(), pr.q.end()), k(pr.k.begin(), pr.k.end()), v(pr.v.begin(), pr.v.end());
+  qkv::AttentionOptions<T> options;
+  options.causal = p.causal;
+  options.alignment =
+      p.alignment == brute::Alignment::top_left ? qkv::CausalAlignment::top_left : qkv::CausalAlignment::bottom_right;
+  options.window_left = p.window_left;
+  options.window_right = p.window_right;
+  options.key_lengths.assign(p.key_lengths.begin(), p.key_lengths.end());
+  options.sinks.assign(p.sinks.begin(), p.sinks.end());
+  options.cu_seqlens_q.assign(p.cu_seqlens_q.begin(), p.cu_seqlens_q.end());
+  options.cu_seqlens_k.assign(p.cu_seqlens_k.begin(), p.cu_seqlens_k.end());
+  options.backend = backend;
+  std::unique_ptr<bool[]> allowed;
+  std::vector<T> bias;
+  if (p.allowed) {
+    const auto& e = p.allowed->extents;
+    allowed.reset(new bool[p.allowed->data.size() + 1]);
+    for (std::size_t n = 0; n < p.allowed->data.size(); ++n) allowed[n] = p.allowed->data[n] != 0;
+    options.allowed = qkv::TensorView4<const bool>(allowed.get(), {e[0], e[1], e[2], e[3]});
+  }
+  if (p.bias) {
+    const auto& e = p.bias->extents;
+    bias.assign(p.bias->data.begin(), p.bias->data.end());
+    options.bias = qkv::TensorView4<const T>(bias.data(), {e[0], e[1], e[2], e[3]});
+  }
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  std::vector<T> out(static_cast<std::size_t>(p.B * p.Hq * p.Sq * p.Dv), nan),
+      lse(static_cast<std::size_t>(p.B * p.Hq * p.Sq), nan);
+  qkv::attention(qkv::TensorView4<const T>(q.data(), {p.B, p.Hq, p.Sq, p.D}),
+                 qkv::TensorView4<const T>(k.data(), {p.B, p.Hkv, p.Skv, p.D}),
+                 qkv::TensorView4<const T>(v.data(), {p.B, p.Hkv, p.Skv, p.Dv}),
+                 qkv::TensorView4<T>(out.data(), {p.B, p.Hq, p.Sq, p.Dv}),
+                 qkv::TensorView3<T>(lse.data(), {p.B, p.Hq, p.Sq}), options);
+  return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
+}
+
+// DESIGN.md's bound for the reference path, 1e-6·max(1, max|V|) in float (1e-12 in double), over the finite values of
+// v. The fused float path is held to the same bound here (tighter than its own: 2× a plain float implementation).
+template <class T>
+double tolerance(const Problem& pr) {
+  double max_v = 0;
+  for (double x : pr.v)
+    if (std::isfinite(x)) max_v = std::max(max_v, std::abs(x));
+  return (std::is_same_v<T, double> ? 1e-12 : 1e-6) * std::max(1.0, max_v);
+}
+
+/// Runs `check(T{}, backend, name)` for float on the reference and fused backends and for double on the reference.
+template <class F>
+void for_each_backend(F check) {
+  check(float{}, qkv::Backend::reference, "float, reference");
+  check(float{}, qkv::Backend::fused, "float, fused");
+  check(double{}, qkv::Backend::reference, "double, reference");
+}
+
+/// (sequence or batch entry, query head, query row within it) of every output row, in the views' row order.
+struct RowId {
+  long b, h, i;
+};
+using Touched = std::function<bool(const RowId&)>;
+const Touched kNoRow = [](const RowId&) { return false; };
+
+bool same(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
+
+/// The policy's core check. `poisoned` is `clean` with NaN or ±∞ written somewhere; `touched` says which rows that
+/// poison may affect. For every row it does not touch: out and lse bit-identical to the clean call, and within the
+/// reference bound of the float64 brute force on the poisoned inputs (which never reads hidden keys), never NaN.
+/// For touched rows with `nan_in_touched`: at least one NaN in the output row (NaN propagates).
+void check_rows(const Problem& poisoned, const Problem& clean, const Touched& touched, bool nan_in_touched) {
+  for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
+    using T = decltype(tag);
+    SCOPED_TRACE(name);
+    const Problem pr = rounded<T>(poisoned), cl = rounded<T>(clean);
+    const brute::Params& p = pr.p;
+    const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
+    const Output got = run<T>(pr, backend), reference = run<T>(cl, backend);
+    const double tol = tolerance<T>(cl), eps = std::is_same_v<T, double> ? 1e-12 : 1e-6;
+    const bool varlen = !p.cu_seqlens_q.empty();
+    const long sequences = varlen ? static_cast<long>(p.cu_seqlens_q.size()) - 1 : p.B;
+    long checked_rows = 0, touched_rows = 0;
+    for (long s = 0; s < sequences; ++s) {
+      const long b = varlen ? 0 : s, row0 = varlen ? p.cu_seqlens_q[static_cast<std::size_t>(s)] : 0;
+      const long rows = varlen ? p.cu_seqlens_q[static_cast<std::size_t>(s) + 1] - row0 : p.Sq;
+      for (long h = 0; h < p.Hq; ++h)
+        for (long i = 0; i < rows; ++i) {
+          const std::size_t lse_at = flat(p.Hq, p.Sq, 1, b, h, row0 + i, 0);
+          const std::string where =
+              "sequence " + std::to_string(s) + " head " + std::to_string(h) + " row " + std::to_string(i);
+          if (touched({s, h, i})) {
+            ++touched_rows;
+            if (!nan_in_touched) continue;
+            bool any_nan = false;
+            for (long d = 0; d < p.Dv; ++d) any_nan |= std::isnan(got.out[flat(p.Hq, p.Sq, p.Dv, b, h, row0 + i, d)]);
+            EXPECT_TRUE(any_nan) << where << ": NaN in what this row reads did not propagate";
+            continue;
+          }
+          ++checked_rows;
+          EXPECT_TRUE(same(got.lse[lse_at], reference.lse[lse_at]))
+              << where << ": lse " << got.lse[lse_at] << ", without the poison " << reference.lse[lse_at];
+          if (std::isinf(want.lse[lse_at])) {
+            EXPECT_EQ(got.lse[lse_at], want.lse[lse_at]) << where;
+          } else {
+            EXPECT_NEAR(got.lse[lse_at], want.lse[lse_at], eps * std::max(1.0, std::abs(want.lse[lse_at]))) << where;
+          }
+          for (long d = 0; d < p.Dv; ++d) {
+            const std::size_t at = flat(p.Hq, p.Sq, p.Dv, b, h, row0 + i, d);
+            EXPECT_TRUE(same(got.out[at], reference.out[at]))
+                << where << " d " << d << ": out " << got.out[at] << ", without the poison " << reference.out[at];
+            EXPECT_NEAR(got.out[at], want.out[at], tol) << where << " d " << d;  // NaN never passes
+          }
+        }
+    }
+    EXPECT_GT(checked_rows, 0) << "the case checks no row";
+    if (nan_in_touched) {
+      EXPECT_GT(touched_rows, 0) << "the case touches no row";
+    }
+  });
+}
+
+/// Writes `value` into every feature of key j of kv head h_kv of batch entry b, in k and in v.
+void poison_key(Problem& pr, long b, long h_kv, long j, double value) {
+  for (long d = 0; d < pr.p.D; ++d) pr.k_at(b, h_kv, j, d) = value;
+  for (long d = 0; d < pr.p.Dv; ++d) pr.v_at(b, h_kv, j, d) = value;
+}
+
+/// Poisons key j of every kv head and batch entry with NaN, +∞ and −∞ in turn (k and v of one key get one value;
+/// three keys are used when available so each value is present).
+Problem poison_keys(Problem pr, const std::vector<long>& keys) {
+  const double values[] = {kNaN, kInf, -kInf};
+  for (long b = 0; b < pr.p.B; ++b)
+    for (long h = 0; h < pr.p.Hkv; ++h)
+      for (std::size_t n = 0; n < keys.size(); ++n) poison_key(pr, b, h, keys[n], values[n % 3]);
+  return pr;
+}
+
+// ---- hidden keys are never read ------------------------------------------------------------------------------------
+
+TEST(NanPolicy, HiddenKeysPastKeyLengthsAreNeverRead) {
+  // Prefill (Sq 7) and decoding (Sq 1, 300 keys: the fused kernel's split-KV path), GQA, causal and not.
+  for (bool causal : {false, true}) {
+    Problem clean = make_problem(2, 7, 11, 1);
+    clean.p.key_lengths = {8, 5};
+    clean.p.causal = causal;
+    Problem poisoned = clean;
+    for (long h = 0; h < 2; ++h) {
+      for (long j = 8; j < 11; ++j) poison_key(poisoned, 0, h, j, j % 2 ? kNaN : kInf);
+      for (long j = 5; j < 11; ++j) poison_key(poisoned, 1, h, j, j % 2 ? -kInf : kNaN);
+    }
+    SCOPED_TRACE(causal ? "prefill, causal" : "prefill");
+    check_rows(poisoned, clean, kNoRow, false);
+  }
+  Problem clean = make_problem(2, 1, 300, 2);
+  clean.p.key_lengths = {300, 170};
+  Problem poisoned = clean;
+  for (long h = 0; h < 2; ++h)
+    for (long j = 170; j < 300; ++j) poison_key(poisoned, 1, h, j, j % 3 ? kNaN : kInf);
+  SCOPED_TRACE("decoding");
+  check_rows(poisoned, clean, kNoRow, false);
+}
+
+TEST(NanPolicy, HiddenKeysUnderAllowedFalseAreNeverRead) {
+  Problem clean = make_problem(2, 6, 9, 3);
+  brute::Broadcast4<char> allowed;
+  allowed.extents = {1, 1, 1, 9};  // keys 2, 5, 7 hidden for every query (broadcast)
+  allowed.data = {1, 1, 0, 1, 1, 0, 1, 0, 1};
+  clean.p.allowed = allowed;
+  check_rows(poison_keys(clean, {2, 5, 7}), clean, kNoRow, false);
+}
+
+TEST(NanPolicy, HiddenKeysBeyondTheCausalDiagonalAreNeverRead) {
+  // top_left, Sq 4 < Skv 10: diag(i) = i, so keys 4..9 are after every query's diagonal.
+  Problem clean = make_problem(2, 4, 10, 4);
+  clean.p.causal = true;
+  clean.p.alignment = brute::Alignment::top_left;
+  check_rows(poison_keys(clean, {4, 5, 6, 7, 8, 9}), clean, kNoRow, false);
+}
+
+TEST(NanPolicy, HiddenKeysOutsideTheWindowAreNeverRead) {
+  // bottom_right, Sq 3, Skv 12, window [diag − 2, diag + 0]: diag(i) = i + 9, so keys 0..6 are left of every window.
+  Problem clean = make_problem(2, 3, 12, 5);
+  clean.p.window_left = 2;
+  clean.p.window_right = 0;
+  check_rows(poison_keys(clean, {0, 1, 2, 3, 4, 5, 6}), clean, kNoRow, false);
+}
+
+TEST(NanPolicy, MinusInfinityBiasHidesEvenWithNaNInK) {
+  Problem clean = make_problem(2, 5, 8, 6);
+  brute::Broadcast4<double> bias;
+  bias.extents = {2, 4, 5, 8};  // full extents: −∞ in columns 1 and 6 of every row, finite elsewhere
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  bias.data.resize(2 * 4 * 5 * 8);
+  for (std::size_t n = 0; n < bias.data.size(); ++n) bias.data[n] = (n % 8 == 1 || n % 8 == 6) ? -kInf : normal(rng);
+  clean.p.bias = bias;
+  Problem poisoned = clean;
+  for (long b = 0; b < 2; ++b)
+    for (long h = 0; h < 2; ++h) {
+      poison_key(poisoned, b, h, 1, kNaN);
+      poison_key(poisoned, b, h, 6, kNaN);
+    }
+  check_rows(poisoned, clean, kNoRow, false);
+}
+
+// ---- rows that see no key -----------------------------------------------------------------------------------------
+
+/// Every (b, h, i) row that the brute force finds fully hidden gets exactly zeros and lse = `empty_lse(h)`.
+template <class EmptyLse>
+void check_fully_hidden_rows(const Problem& problem, EmptyLse empty_lse, long expected_hidden_rows) {
+  for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
+    using T = decltype(tag);
+    SCOPED_TRACE(name);
+    const Problem pr = rounded<T>(problem);
+    const brute::Params& p = pr.p;
+    const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
+    const Output got = run<T>(pr, backend);
+    const double tol = tolerance<T>(pr);
+    long hidden_rows = 0;
+    for (long b = 0; b < p.B; ++b)
+      for (long h = 0; h < p.Hq; ++h)
+        for (long i = 0; i < p.Sq; ++i) {
+          double weight_sum = 0;
+          for (long j = 0; j < p.Skv; ++j) weight_sum += want.weights[flat(p.Hq, p.Sq, p.Skv, b, h, i, j)];
+          const std::size_t lse_at = flat(p.Hq, p.Sq, 1, b, h, i, 0);
+          const bool hidden = weight_sum == 0;
+          hidden_rows += hidden;
+          if (hidden) {
+            EXPECT_EQ(got.lse[lse_at], empty_lse(h)) << "b " << b << " h " << h << " i " << i;
+          }
+          for (long d = 0; d < p.Dv; ++d) {
+            const std::size_t at = flat(p.Hq, p.Sq, p.Dv, b, h, i, d);
+            if (hidden) {
+              EXPECT_EQ(got.out[at], 0.0) << "b " << b << " h " << h << " i " << i << " d " << d;
+            } else {
+              EXPECT_NEAR(got.out[at], want.out[at], tol) << "b " << b << " h " << h << " i " << i << " d " << d;
+            }
+          }
+        }
+    EXPECT_EQ(hidden_rows, expected_hidden_rows);
+  });
+}
+
+/// Batch entry 1 has key_lengths 0; in batch entry 0, bottom-right causal with Sq 6 > Skv 4 hides rows 0 and 1
+/// (diag(i) = i − 2), and `allowed` hides every key of row 4 in every head: 4·6 + 4·2 + 4·1 fully hidden rows.
+Problem fully_hidden_problem() {
+  Problem pr = make_problem(2, 6, 4, 8);
+  pr.p.causal = true;
+  pr.p.key_lengths = {4, 0};
+  brute::Broadcast4<char> allowed;
+  allowed.extents = {1, 1, 6, 4};
+  allowed.data.assign(24, 1);
+  for (long j = 0; j < 4; ++j) allowed.data[static_cast<std::size_t>(4 * 4 + j)] = 0;
+  pr.p.allowed = allowed;
+  return pr;
+}
+
+TEST(NanPolicy, FullyHiddenRowsGiveZerosAndMinusInfinityLse) {
+  check_fully_hidden_rows(
+      fully_hidden_problem(), [](long) { return -kInf; }, 4 * 6 + 4 * 2 + 4 * 1);
+}
+
+TEST(NanPolicy, FullyHiddenRowsWithSinksGiveZerosAndTheSinkLogit) {
+  Problem pr = fully_hidden_problem();
+  pr.p.sinks = {0.5, -1.25, 2.0, -kInf};  // exact in float; −∞ = no sink for head 3
+  check_fully_hidden_rows(
+      pr, [&](long h) { return pr.p.sinks[static_cast<std::size_t>(h)]; }, 4 * 6 + 4 * 2 + 4 * 1);
+}
+
+// ---- poison in what a row reads affects that row only ------------------------------------------------------------
+
+TEST(NanPolicy, NaNInAVisibleQueryAffectsOnlyItsRow) {
+  const Problem clean = make_problem(2, 5, 7, 9);
+  Problem poisoned = clean;
+  poisoned.q_at(1, 2, 3, 4) = kNaN;
+  check_rows(
+      poisoned, clean, [](const RowId& r) { return r.b == 1 && r.h == 2 && r.i == 3; }, true);
+  for (double inf : {kInf, -kInf}) {  // ±∞ in q: the row may change (no claim on its value), no other row does
+    Problem infinite = clean;
+    infinite.q_at(0, 1, 2, 0) = inf;
+    check_rows(
+        infinite, clean, [](const RowId& r) { return r.b == 0 && r.h == 1 && r.i == 2; }, false);
+  }
+}
+
+/// Causal (Sq = Skv = 6): key 3 of kv head 1 in batch entry 0 is read by rows i ≥ 3 of query heads 2 and 3 only.
+bool reads_key_3_of_kv_head_1(const RowId& r) { return r.b == 0 && (r.h == 2 || r.h == 3) && r.i >= 3; }
+
+TEST(NanPolicy, NaNInAVisibleKeyAffectsOnlyTheRowsThatSeeIt) {
+  Problem clean = make_problem(2, 6, 6, 10);
+  clean.p.causal = true;
+  Problem poisoned = clean;
+  poisoned.k_at(0, 1, 3, 5) = kNaN;
+  check_rows(poisoned, clean, reads_key_3_of_kv_head_1, true);
+  for (double inf : {kInf, -kInf}) {
+    Problem infinite = clean;
+    infinite.k_at(0, 1, 3, 5) = inf;
+    check_rows(infinite, clean, reads_key_3_of_kv_head_1, false);
+  }
+}
+
+TEST(NanPolicy, NaNInAVisibleValueAffectsOnlyTheRowsThatSeeIt) {
+  Problem clean = make_problem(2, 6, 6, 11);
+  clean.p.causal = true;
+  Problem poisoned = clean;
+  poisoned.v_at(0, 1, 3, 2) = kNaN;
+  check_rows(poisoned, clean, reads_key_3_of_kv_head_1, true);
+  for (double inf : {kInf, -kInf}) {
+    Problem infinite = clean;
+    infinite.v_at(0, 1, 3, 2) = inf;
+    check_rows(infinite, clean, reads_key_3_of_kv_head_1, false);
+  }
+}
+
+TEST(NanPolicy, PlusInfinityOrNaNInBiasAffectsOnlyItsRow) {
+  Problem clean = make_problem(2, 4, 6, 12);
+  brute::Broadcast4<double> bias;
+  bias.extents = {2, 4, 4, 6};
+  bias.data.assign(2 * 4 * 4 * 6, 0.25);
+  clean.p.bias = bias;
+  for (double value : {kNaN, kInf}) {
+    Problem poisoned = clean;
+    poisoned.p.bias->data[flat(4, 4, 6, 1, 3, 2, 4)] = value;  // (b 1, h 3, i 2, j 4)
+    check_rows(
+        poisoned, clean, [](const RowId& r) { return r.b == 1 && r.h == 3 && r.i == 2; }, std::isnan(value));
+  }
+}
+
+TEST(NanPolicy, VarlenNaNStaysInItsSequence) {
+  // Sequences of 3, 0 and 4 queries over 5, 2 and 6 keys; NaN in key 2 of sequence 2 (row 9 of k) of kv head 0:
+  // only sequence 2's rows of query heads 0 and 1 read it.
+  Problem clean = make_problem(1, 7, 13, 13);
+  clean.p.cu_seqlens_q = {0, 3, 3, 7};
+  clean.p.cu_seqlens_k = {0, 5, 7, 13};
+  Problem poisoned = clean;
+  poisoned.k_at(0, 0, 9, 1) = kNaN;
+  check_rows(
+      poisoned, clean, [](const RowId& r) { return r.b == 2 && r.h <= 1; }, true);
+  Problem value = clean;
+  value.v_at(0, 1, 1, 0) = kNaN;  // key 1 of sequence 0, kv head 1: sequence 0's rows of query heads 2 and 3
+  check_rows(
+      value, clean, [](const RowId& r) { return r.b == 0 && r.h >= 2; }, true);
+}
+
+// ---- scores -------------------------------------------------------------------------------------------------------
+
+TEST(NanPolicy, MinusInfinityScoreHidesTheKey) {
+  // q > 0 everywhere and k = −∞ in every feature of key 2: q·k = −∞ for every query, so key 2 is hidden; the rows
+  // equal the same call with key 2 masked out by `allowed` (and the brute force, which drops −∞ scores).
+  Problem masked = make_problem(2, 4, 6, 14);
+  for (double& x : masked.q) x = 0.25 + std::abs(x);
+  brute::Broadcast4<char> allowed;
+  allowed.extents = {1, 1, 1, 6};
+  allowed.data = {1, 1, 0, 1, 1, 1};
+  masked.p.allowed = allowed;
+  Problem minus_inf_scores = masked;
+  minus_inf_scores.p.allowed.reset();
+  for (long b = 0; b < 2; ++b)
+    for (long h = 0; h < 2; ++h)
+      for (long d = 0; d < masked.p.D; ++d) minus_inf_scores.k_at(b, h, 2, d) = -kInf;
+  check_rows(minus_inf_scores, masked, kNoRow, false);
+}
+
+TEST(NanPolicy, FiniteScoresOfAnyMagnitudeGiveFiniteWeights) {
+  // Scores far beyond exp's range (q·k·scale ~ 1e29 in float, 1e299 in double) with a unique maximum per row: the
+  // weights are one-hot, so each output row is exactly the value row of that key (by construction).
+  for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
+    using T = decltype(tag);
+    SCOPED_TRACE(name);
+    const double magnitude = std::is_same_v<T, float> ? 1e15 : 1e150;
+    Problem pr = make_problem(1, 3, 5, 15, 4, 2, 2, 3);
+    for (long h = 0; h < 2; ++h)
+      for (long j = 0; j < 5; ++j) {
+        pr.k_at(0, h, j, 0) = magnitude * static_cast<double>(j + 1);  // key j scores (j + 1)·q_0 + …
+        pr.k_at(0, h, j, 1) = -magnitude;
+      }
+    for (long h = 0; h < 4; ++h)
+      for (long i = 0; i < 3; ++i) {
+        pr.q_at(0, h, i, 0) = (i % 2 ? -magnitude : magnitude);  // odd rows favour key 0, even rows key 4
+        pr.q_at(0, h, i, 1) = magnitude * 0.5;
+      }
+    const Problem r = rounded<T>(pr);
+    const Output got = run<T>(r, backend);
+    for (long h = 0; h < 4; ++h)
+      for (long i = 0; i < 3; ++i) {
+        EXPECT_TRUE(std::isfinite(got.lse[flat(4, 3, 1, 0, h, i, 0)])) << "h " << h << " i " << i;
+        const long winner = i % 2 ? 0 : 4;
+        for (long d = 0; d < 3; ++d)
+          EXPECT_EQ(got.out[flat(4, 3, 3, 0, h, i, d)],
+                    static_cast<double>(static_cast<T>(r.v[flat(2, 5, 3, 0, h / 2, winner, d)])))
+              << "h " << h << " i " << i << " d " << d;
+      }
+  });
+}
+
+// ---- empty extents -------------------------------------------------------------------------------------------------
+
+TEST(NanPolicy, NoKeysGiveZerosAndMinusInfinityLse) {
+  for (bool with_sinks : {false, true}) {
+    Problem pr = make_problem(2, 3, 0, 16);
+    if (with_sinks) pr.p.sinks = {1.5, -0.5, 0.0, 3.0};
+    for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
+      using T = decltype(tag);
+      SCOPED_TRACE(std::string(name) + (with_sinks ? ", sinks" : ""));
+      const Output got = run<T>(rounded<T>(pr), backend);
+      for (double x : got.out) EXPECT_EQ(x, 0.0);
+      for (std::size_t n = 0; n < got.lse.size(); ++n)
+        EXPECT_EQ(got.lse[n], with_sinks ? pr.p.sinks[(n / 3) % 4] : -kInf) << "row " << n;
+    });
+  }
+}
+
+TEST(NanPolicy, NoQueriesWriteNothing) {
+  for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
+    using T = decltype(tag);
+    SCOPED_TRACE(name);
+    const std::vector<T> q(8, T(1)), k(2 * 2 * 5 * 4, T(1)), v(2 * 2 * 5 * 3, T(1));
+    std::vector<T> out(16, T(7)), lse(16, T(7));  // Sq = 0: views of size 0 over sentinel buffers
+    qkv::AttentionOptions<T> options;
+    options.backend = backend;
+    qkv::attention(qkv::TensorView4<const T>(q.data(), {2, 4, 0, 4}), qkv::TensorView4<const T>(k.data(), {2, 2, 5, 4}),
+                   qkv::TensorView4<const T>(v.data(), {2, 2, 5, 3}), qkv::TensorView4<T>(out.data(), {2, 4, 0, 3}),
+                   qkv::TensorView3<T>(lse.data(), {2, 4, 0}), options);
+    for (T x : out) EXPECT_EQ(x, T(7));
+    for (T x : lse) EXPECT_EQ(x, T(7));
+  });
+}
+
+}  // namespace
