@@ -191,7 +191,8 @@ std::vector<Call> module_calls() {
   config.n_kv_heads = 2;
   m->mha = std::make_unique<qkv::MultiHeadAttention<float>>(config);
   std::mt19937 rng(15);
-  auto random_matrix = [&rng](Index rows, Index cols) {
+  // Returns a Matrix, not the Eigen expression: the expression would refer to a temporary destroyed on return.
+  auto random_matrix = [&rng](Index rows, Index cols) -> Matrix<float> {
     const std::vector<float> data = random_vector<float>(rng, rows * cols);
     return Matrix<float>(Eigen::Map<const Matrix<float>>(data.data(), rows, cols)) * (1.0f / std::sqrt(float(rows)));
   };
