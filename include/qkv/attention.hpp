@@ -17,6 +17,7 @@
 #include "qkv/config.hpp"
 #include "qkv/detail/attention_shape.hpp"
 #include "qkv/detail/fused_attention.hpp"
+#include "qkv/detail/threads.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/options.hpp"
@@ -314,26 +315,32 @@ void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, c
                    const AttentionOptions<T>& options) {
   const Index tasks = shape.n_sequences * shape.Hq;
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && q.size() * k.extent(2) > (Index(1) << 16))
+#pragma omp parallel if (tasks > 1 && q.size() * k.extent(2) > (Index(1) << 16) && may_open_team())
 #endif
-  for (Index task = 0; task < tasks; ++task) {
-    const Index b = task / shape.Hq, h = task % shape.Hq, h_kv = h / shape.group;
-    const Index view_b = shape.varlen ? 0 : b;
-    const SequenceRows q_rows = shape.q_rows[static_cast<std::size_t>(b)];
-    const SequenceRows kv_rows = shape.kv_rows[static_cast<std::size_t>(b)];
-    const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
-    const HeadMask<T> mask = HeadMask<T>::make(options, view_b, h, q_rows.length, skv, shape.D);
-    const double sink = options.sinks.empty() ? -std::numeric_limits<double>::infinity()
-                                              : static_cast<double>(options.sinks[static_cast<std::size_t>(h)]);
-    T* lse_data = nullptr;
-    Index lse_stride = 0;
-    if (lse != nullptr && q_rows.length > 0) {
-      lse_data = &(*lse)(view_b, h, q_rows.begin);
-      lse_stride = lse->stride(2);
+  {
+    observe_team();
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (Index task = 0; task < tasks; ++task) {
+      const Index b = task / shape.Hq, h = task % shape.Hq, h_kv = h / shape.group;
+      const Index view_b = shape.varlen ? 0 : b;
+      const SequenceRows q_rows = shape.q_rows[static_cast<std::size_t>(b)];
+      const SequenceRows kv_rows = shape.kv_rows[static_cast<std::size_t>(b)];
+      const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
+      const HeadMask<T> mask = HeadMask<T>::make(options, view_b, h, q_rows.length, skv, shape.D);
+      const double sink = options.sinks.empty() ? -std::numeric_limits<double>::infinity()
+                                                : static_cast<double>(options.sinks[static_cast<std::size_t>(h)]);
+      T* lse_data = nullptr;
+      Index lse_stride = 0;
+      if (lse != nullptr && q_rows.length > 0) {
+        lse_data = &(*lse)(view_b, h, q_rows.begin);
+        lse_stride = lse->stride(2);
+      }
+      reference::head_attention(rows_of(q, view_b, h, q_rows), rows_of(k, view_b, h_kv, kv_rows),
+                                rows_of(v, view_b, h_kv, kv_rows), mask, sink, rows_of(out, view_b, h, q_rows),
+                                lse_data, lse_stride);
     }
-    reference::head_attention(rows_of(q, view_b, h, q_rows), rows_of(k, view_b, h_kv, kv_rows),
-                              rows_of(v, view_b, h_kv, kv_rows), mask, sink, rows_of(out, view_b, h, q_rows),
-                              lse_data, lse_stride);
   }
 }
 
@@ -388,10 +395,17 @@ inline namespace QKV_ISA_NAME {
 /// Complexity: O(B·Hq·Sq·Skv·(D + Dv)) time, about half that with causal masking and O(Sq·w) per head with a
 ///   window of w keys on the fused path (hidden key tiles are never visited). Memory: the fused kernel allocates
 ///   the size of K (packed once per call, except when decoding) and a few hundred KiB of scratch per thread,
-///   nothing of size Sq × Skv; the reference backend allocates O(Sq·Skv) per (sequence, head) in flight. With
-///   OpenMP, work is shared over (sequence, kv head, query tile, key chunk); results are bit-identical for any
-///   number of threads.
-/// Thread safety: concurrent calls are safe if their outputs do not overlap.
+///   nothing of size Sq × Skv; the reference backend allocates O(Sq·Skv) per (sequence, head) in flight.
+/// Threads (OpenMP builds): a call large enough to pay for a team (about 2^20 multiply-adds on the fused path)
+///   shares its work over (sequence, kv head, query tile, key chunk) among omp_get_max_threads() threads, the
+///   calling thread's own setting (OMP_NUM_THREADS for all threads, omp_set_num_threads(n) for the thread that
+///   calls it). Called inside an active `#pragma omp parallel` region (omp_in_parallel()), it runs on the calling
+///   thread alone and never opens a nested team, whatever omp_get_max_active_levels() allows. Each std::thread
+///   that calls at the same time opens its own team: N callers use up to N × omp_get_max_threads() threads, so
+///   call omp_set_num_threads(1) in each caller (or set OMP_NUM_THREADS=1) to keep one thread per caller.
+///   Results are bit-identical for any number of threads, inside or outside a parallel region.
+/// Thread safety: concurrent calls from any threads (std::thread or OpenMP) are safe if their outputs do not
+///   overlap each other or another call's inputs; inputs and options may be shared.
 /// Example: examples/worked_example.cpp (through the Eigen entry points), tests/test_reference.cpp.
 /// Source: Vaswani et al. 2017, seed 000 定义 2.4.1; masks and varlen as FlashAttention 2.
 template <class T>

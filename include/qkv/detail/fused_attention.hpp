@@ -39,6 +39,7 @@
 
 #include "qkv/config.hpp"
 #include "qkv/detail/attention_shape.hpp"
+#include "qkv/detail/threads.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/options.hpp"
 #include "qkv/simd/simd.hpp"
@@ -331,14 +332,16 @@ class FusedAttention {
     build_tasks();
     zeros_.assign(static_cast<std::size_t>(shape_.Dv), 0.0f);
     const Index n_tasks = static_cast<Index>(tasks_.size());
-    // A team costs microseconds to wake; below about a million multiply-adds one thread is faster.
-    const bool parallel = n_tasks > 1 && work_ > (Index(1) << 20);
+    // A team costs microseconds to wake; below about a million multiply-adds one thread is faster. Inside a
+    // caller's active parallel region no team is opened (detail/threads.hpp).
+    const bool parallel = n_tasks > 1 && work_ > (Index(1) << 20) && may_open_team();
 #if defined(_OPENMP)
 #pragma omp parallel if (parallel)
 #else
     (void)parallel;
 #endif
     {
+      observe_team();
       FusedScratch scratch;
       allocate(scratch);
 #if defined(_OPENMP)
@@ -378,15 +381,22 @@ class FusedAttention {
     }
     packed_.resize(static_cast<std::size_t>(std::max<Index>(1, packed_offset_.back())));
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && packed_offset_.back() > (Index(1) << 16))
+#pragma omp parallel if (n > 1 && packed_offset_.back() > (Index(1) << 16) && may_open_team())
 #endif
-    for (Index task = 0; task < n; ++task) {
-      const Index b = task / shape_.Hkv, h_kv = task % shape_.Hkv;
-      const std::size_t s = static_cast<std::size_t>(b);
-      const Index skv = shape_.key_counts[s];
-      if (skv == 0 || shape_.q_rows[s].length == 0) continue;
-      const Index vb = shape_.view_batch(b), row0 = shape_.kv_rows[s].begin;
-      if (!decode_[s]) pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D, packed_.data() + packed_offset_[kv_index(b, h_kv)]);
+    {
+      observe_team();
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (Index task = 0; task < n; ++task) {
+        const Index b = task / shape_.Hkv, h_kv = task % shape_.Hkv;
+        const std::size_t s = static_cast<std::size_t>(b);
+        const Index skv = shape_.key_counts[s];
+        if (skv == 0 || shape_.q_rows[s].length == 0 || decode_[s]) continue;
+        const Index vb = shape_.view_batch(b), row0 = shape_.kv_rows[s].begin;
+        pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D,
+                       packed_.data() + packed_offset_[kv_index(b, h_kv)]);
+      }
     }
   }
 
