@@ -313,6 +313,27 @@ TEST(AttentionErrors, FusedBackendExistsForFloatOnly) {
   EXPECT_DOUBLE_EQ(out[0], 1.0);
 }
 
+// Found by fuzz/fuzz_attention.cpp: a varlen call with Dv = 0 on the reference backend offset out's null data
+// pointer to the second sequence's rows (undefined behaviour, reported by the sanitize preset). It must only
+// write the lse.
+TEST(AttentionEdgeCases, VarlenWithEmptyValueDimension) {
+  std::vector<float> q(5 * 2, 0.5f), k(4 * 2, 0.25f), lse(5, 7.0f);
+  for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+    qkv::AttentionOptions<float> options;
+    options.backend = backend;
+    options.cu_seqlens_q = {0, 2, 5};
+    options.cu_seqlens_k = {0, 3, 4};
+    EXPECT_NO_THROW(qkv::attention(
+        TensorView4<const float>(q.data(), {1, 1, 5, 2}), TensorView4<const float>(k.data(), {1, 1, 4, 2}),
+        TensorView4<const float>(nullptr, {1, 1, 4, 0}), TensorView4<float>(nullptr, {1, 1, 5, 0}),
+        TensorView3<float>(lse.data(), {1, 1, 5}), options));
+    // Equal scores s = 2·0.125/√2 over 3 keys, then over 1 key.
+    const float s = 0.25f / std::sqrt(2.0f);
+    for (int i = 0; i < 2; ++i) EXPECT_NEAR(lse[static_cast<std::size_t>(i)], s + std::log(3.0f), 1e-6f);
+    for (int i = 2; i < 5; ++i) EXPECT_NEAR(lse[static_cast<std::size_t>(i)], s, 1e-6f);
+  }
+}
+
 TEST(AttentionErrors, NothingWrittenWhenThrowing) {
   Call c;
   std::fill(c.out_data.begin(), c.out_data.end(), 7.0f);

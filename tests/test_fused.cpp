@@ -377,6 +377,20 @@ std::vector<float> run_with_threads(int threads) {
   return result;
 }
 
+// Found by fuzz/fuzz_attention.cpp: Hq = 0 with Hkv ≥ 1 is a valid call (an empty output), but the kernel built
+// tasks for each kv head with a GQA group of 0 and read the first head's mask from an empty vector.
+TEST(Fused, ZeroQueryHeadsWriteNothing) {
+  std::vector<float> q(1), k(2 * 7 * 4, 0.5f), v(2 * 7 * 3, 1.0f), out(1, 7.0f), lse(1, 7.0f);
+  qkv::AttentionOptions<float> options;
+  options.backend = qkv::Backend::fused;
+  EXPECT_NO_THROW(qkv::attention(
+      qkv::TensorView4<const float>(q.data(), {1, 0, 5, 4}), qkv::TensorView4<const float>(k.data(), {1, 2, 7, 4}),
+      qkv::TensorView4<const float>(v.data(), {1, 2, 7, 3}), qkv::TensorView4<float>(out.data(), {1, 0, 5, 3}),
+      qkv::TensorView3<float>(lse.data(), {1, 0, 5}), options));
+  EXPECT_EQ(out[0], 7.0f);
+  EXPECT_EQ(lse[0], 7.0f);
+}
+
 TEST(Fused, BitIdenticalForAnyThreadCount) {
   const auto one = run_with_threads(1);
   const auto two = run_with_threads(2);

@@ -2,6 +2,7 @@
 // computed by hand or in closed form in the test.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -78,6 +79,28 @@ TEST(MergeState, MatchesOnePassAndHandlesEmptyStates) {
   qkv::detail::merge_state(nan_out, -kInf, nan_out, -kInf, out, lse, 1);
   EXPECT_EQ(out[0], 0.0);
   EXPECT_EQ(lse, -kInf);
+}
+
+// Found by fuzz/fuzz_attention.cpp (a sink merged into a row whose lse is about 40): the weights must not be
+// formed from the rounded merged lse, which loses |lse|·2^-24 of relative accuracy whatever the two states' gap.
+// The merged output of a state with out = 1 and a sink (out = 0) is exp(lse_a − merged); against float64 its
+// relative error may only be a few float ulp plus what rounding the gap costs exp (|lse_a − sink|·2^-24).
+TEST(MergeState, AccurateForLargeLse) {
+  constexpr double kEpsilon = std::numeric_limits<float>::epsilon();
+  double worst = 0;  // error / allowed, over all cases
+  for (int step = 0; step <= 800; ++step) {
+    const float lse_a = 0.1f * static_cast<float>(step) + 0.0311705f;
+    for (const float sink : {0.0f, 5.0f, 30.0f, lse_a - 3.0f, lse_a - 0.5f, lse_a + 2.0f}) {
+      const float out_a = 1.0f, out_b = 0.0f;
+      float out = 0, lse = 0;
+      qkv::detail::merge_state(&out_a, lse_a, &out_b, sink, &out, lse, 1);
+      const double gap = static_cast<double>(sink) - static_cast<double>(lse_a);
+      const double expected = 1.0 / (1.0 + std::exp(gap));
+      const double allowed = (4.0 + std::abs(gap)) * kEpsilon;
+      worst = std::max(worst, std::abs(out - expected) / expected / allowed);
+    }
+  }
+  EXPECT_LE(worst, 1.0) << "worst error, in units of (4 + |gap|)·epsilon: " << worst;
 }
 
 }  // namespace

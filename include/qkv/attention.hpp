@@ -291,9 +291,11 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
 }
 
 /// Rows [rows.begin, rows.begin + rows.length) of the (b, h) slice of a [B, H, S, D] view, as an Eigen map.
+/// A view without elements may have null data (out with Dv = 0): its rows then start at 0, since offsetting a
+/// null pointer is undefined behaviour (found by fuzz/fuzz_attention.cpp: varlen, Dv = 0, reference backend).
 template <class T>
 auto rows_of(const TensorView4<T>& view, Index b, Index h, SequenceRows rows) {
-  return slice(view, b, h).middleRows(rows.begin, rows.length);
+  return slice(view, b, h).middleRows(view.data() == nullptr ? 0 : rows.begin, rows.length);
 }
 
 /// Whether the fused kernel serves this call: `automatic` picks it for float, `fused` demands it (and throws

@@ -408,7 +408,7 @@ class FusedAttention {
     for (Index b = 0; b < shape_.n_sequences; ++b) {
       const std::size_t s = static_cast<std::size_t>(b);
       const Index sq = shape_.q_rows[s].length, skv = shape_.key_counts[s];
-      if (sq == 0) continue;
+      if (sq == 0 || G_ == 0) continue;  // no query rows, or no query heads (Hq = 0): nothing to write
       const Index tiles = (sq + rows_per_tile_ - 1) / rows_per_tile_;
       const Index chunks = tiles == 1 && skv > Tiles::kSplitKeys ? (skv + Tiles::kSplitKeys - 1) / Tiles::kSplitKeys : 1;
       for (Index h_kv = 0; h_kv < shape_.Hkv; ++h_kv) {

@@ -1,0 +1,1220 @@
+// fuzz/fuzz_attention.cpp — libFuzzer harness for qkv::attention and the packed Eigen entry point.
+//
+// Each input decodes into one attention call. A fixed 32-byte header chooses the shape (B ≤ 2, Hq ≤ 4, Hkv ≤ 4
+// dividing Hq or not, Sq and Skv 0..24, D and Dv 0..12), the memory layout (BHSD, BSHD, or either with padded
+// strides), every `AttentionOptions` field, the backend, how values are drawn and at most one corruption from an
+// enumerated list; the bytes after the header place special values (±∞, NaN, denormals, ±0, 1e15) into q, k, v
+// and bias. The harness decides validity itself, from DESIGN.md's rules, before calling:
+//   - an invalid call (a corruption, Hq % Hkv ≠ 0 or D = 0) must throw qkv::shape_error, nothing else, and leave
+//     out and lse untouched;
+//   - a valid call must not throw, must write every element of out (and lse) and nothing between them, and:
+//       * a row that sees no key is exactly zeros with lse = −∞ (the sink logit with `sinks`);
+//       * a row that touches no non-finite input (its q, the k and v of its visible keys, +∞/NaN bias at its
+//         visible keys) is finite, and within DESIGN.md's accuracy rule of the float64 brute force of
+//         tests/brute_force.hpp: fused error ≤ 2 × a plain float implementation's error + 1e-6·max(1, max|V|),
+//         reference error ≤ 1e-6·max(1, max|V|), where the float64 scores fit in float;
+//       * NaN or ∞ written into hidden K/V slots (past key_lengths, under allowed = false or a −∞ bias, past the
+//         causal diagonal or outside the window) therefore never reaches the output;
+//       * with B = 1 in BSHD layout, the packed scaled_dot_product_attention gives the same bits.
+// A failed check prints what failed and aborts.
+//
+// Seed corpus: run the harness with QKV_FUZZ_WRITE_SEEDS=<directory> (scripts/fuzz.sh seeds; fuzz/README.md): it
+// writes seed_<name>, one input per option value, layout, empty shape and corruption, into the directory and exits.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "brute_force.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/sdpa.hpp"
+
+namespace {
+
+using qkv::Index;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kOutSentinel = 777.25f;  // fills the gaps of out and lse: the call must not write there
+
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_attention: CHECK FAILED: %s\n", what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+/// Reads bytes front to back; 0 once the input is exhausted (so any input decodes).
+class ByteReader {
+ public:
+  ByteReader(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+  std::uint8_t byte() { return position_ < size_ ? data_[position_++] : 0; }
+  int below(int n) { return n <= 1 ? 0 : byte() % n; }
+  std::uint16_t u16() { return static_cast<std::uint16_t>(byte() << 8 | byte()); }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t position_ = 0;
+};
+
+/// splitmix64: the bulk of the values comes from a seed in the header, so small inputs give varied tensors.
+class Random {
+ public:
+  explicit Random(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f) * 4.0f - 2.0f; }  // [-2, 2)
+  bool chance(int percent) { return static_cast<int>(next() % 100) < percent; }
+
+ private:
+  std::uint64_t state_;
+};
+
+// ---- the header: one byte per field, read in this order ------------------------------------------------------------
+enum Field : int {
+  kFieldB,
+  kFieldHq,
+  kFieldHkv,
+  kFieldSq,
+  kFieldSkv,
+  kFieldD,
+  kFieldDv,
+  kFieldLayout,
+  kFieldScale,
+  kFieldSoftcap,
+  kFieldCausal,
+  kFieldWindowLeft,
+  kFieldWindowRight,
+  kFieldGlobalTokens,
+  kFieldKeyLengths,
+  kFieldAllowed,
+  kFieldBias,
+  kFieldAlibi,
+  kFieldSinks,
+  kFieldVarlen,
+  kFieldBackend,
+  kFieldMagnitude,
+  kFieldPoison,
+  kFieldCorruption,
+  kFieldCorruptionParameter,
+  kFieldLse,
+  kFieldSeed0,
+  kFieldSeed1,
+  kFieldSeed2,
+  kFieldSeed3,
+  kFieldSpecials,
+  kFieldReserved,
+  kHeaderBytes
+};
+
+constexpr std::array<float, 12> kSpecialValues = {0.0f,    -0.0f, kInf,   -kInf,  kNaN,     1e-40f,
+                                                  -3e-39f, 1e15f, -1e15f, 1e-45f, 65504.0f, -2.5e7f};
+constexpr std::array<float, 8> kScales = {0.0f, 0.5f, 1.0f, -1.0f, 1e-3f, 30.0f, 1e3f, 0.125f};  // after "unset"
+constexpr std::array<float, 4> kSoftcaps = {1.0f, 5.0f, 30.0f, 1e-3f};                           // after "off"
+constexpr std::array<float, 4> kMagnitudes = {1.0f, 1e-20f, 1e5f, 1e15f};
+
+/// Corruptions: each makes a valid call invalid by breaking exactly the rule it names (other rules may break too
+/// as a consequence, which still means shape_error). 0 = none.
+enum Corruption : int {
+  kNone,
+  kScaleNaN,
+  kScaleInfinite,
+  kSoftcapNegative,
+  kSoftcapNaN,
+  kSoftcapInfinite,
+  kWindowLeftBelowMinusOne,
+  kWindowRightBelowMinusOne,
+  kGlobalTokensNegative,
+  kKeyLengthsWrongCount,
+  kKeyLengthTooLong,
+  kKeyLengthNegative,
+  kAllowedWrongExtent,
+  kBiasWrongExtent,
+  kAllowedNegativeStride,
+  kBiasInnermostStride,
+  kAlibiWrongCount,
+  kAlibiNonFinite,
+  kSinksWrongCount,
+  kSinksNaNOrPlusInfinity,
+  kCuSeqlensFirstNotZero,
+  kCuSeqlensDecreasing,
+  kCuSeqlensLastNotRows,
+  kCuSeqlensSizesDiffer,
+  kCuSeqlensOnlyOne,
+  kCuSeqlensWithKeyLengths,
+  kCuSeqlensWithAllowed,
+  kCuSeqlensWithBias,
+  kCuSeqlensBatchNotOne,
+  kKBatchMismatch,
+  kKHeadDimMismatch,
+  kVSequenceMismatch,
+  kVHeadsMismatch,
+  kOutWrongExtent,
+  kOutOverlapsQ,
+  kOutSelfOverlap,
+  kQInnermostStride,
+  kKNegativeStride,
+  kQNullData,
+  kLseWrongExtent,
+  kLseOverlapsOut,
+  kCorruptionCount
+};
+
+/// A strided 4-D tensor in its own buffer; logical elements are also kept dense ([B, H, S, D]) for the oracles.
+struct Tensor4 {
+  std::array<Index, 4> extents{};
+  std::array<Index, 4> strides{};
+  std::vector<float> buffer;  // the memory the view describes, gaps included
+  std::vector<float> dense;   // logical values, dense row-major
+
+  Index size() const { return extents[0] * extents[1] * extents[2] * extents[3]; }
+  Index dense_index(Index b, Index h, Index s, Index d) const {
+    return ((b * extents[1] + h) * extents[2] + s) * extents[3] + d;
+  }
+  Index offset(Index b, Index h, Index s, Index d) const {
+    return b * strides[0] + h * strides[1] + s * strides[2] + d * strides[3];
+  }
+};
+
+/// Lays out [B, H, S, D] as BHSD or BSHD (layout bit 0), with gaps of 1..3 elements after each row, head and batch
+/// block when layout bit 1 is set. Gaps are filled with `gap_value`.
+void make_layout(Tensor4& t, std::array<Index, 4> extents, int layout, float gap_value) {
+  t.extents = extents;
+  const Index H = extents[1], S = extents[2], D = extents[3];
+  const Index pad = (layout & 2) ? 1 + (layout >> 2) % 3 : 0;
+  const Index row = D + pad;
+  if ((layout & 1) == 0) {  // BHSD
+    const Index head = S * row + pad;
+    t.strides = {H * head + pad, head, row, 1};
+  } else {  // BSHD
+    const Index token = H * row + pad;
+    t.strides = {S * token + pad, row, token, 1};
+  }
+  Index span = 0;
+  if (t.size() > 0) {
+    for (int axis = 0; axis < 4; ++axis) span += (extents[axis] - 1) * t.strides[axis];
+    span += 1;
+  }
+  t.buffer.assign(static_cast<std::size_t>(span), gap_value);
+  t.dense.assign(static_cast<std::size_t>(t.size()), 0.0f);
+}
+
+void scatter(Tensor4& t) {
+  for (Index b = 0; b < t.extents[0]; ++b)
+    for (Index h = 0; h < t.extents[1]; ++h)
+      for (Index s = 0; s < t.extents[2]; ++s)
+        for (Index d = 0; d < t.extents[3]; ++d)
+          t.buffer[static_cast<std::size_t>(t.offset(b, h, s, d))] =
+              t.dense[static_cast<std::size_t>(t.dense_index(b, h, s, d))];
+}
+
+/// A broadcastable mask tensor ([B or 1, Hq or 1, Sq or 1, Skv]) for `allowed` or `bias`, in its own buffer with
+/// optional gaps. The view gives extent-1 axes a huge stride, which the library must ignore (ASan would report a
+/// read through it).
+template <class M>
+struct MaskTensor {
+  std::array<Index, 4> extents{};
+  std::array<Index, 4> strides{};  // the view's
+  std::array<Index, 4> real{};     // where the elements are
+  std::unique_ptr<M[]> buffer;
+  std::size_t buffer_size = 0;
+  std::vector<M> dense;
+
+  void make(std::array<Index, 4> shape, bool padded, M gap_value) {
+    extents = shape;
+    const Index pad = padded ? 2 : 0;
+    real[3] = 1;
+    real[2] = extents[3] + pad;
+    real[1] = extents[2] * real[2] + pad;
+    real[0] = extents[1] * real[1] + pad;
+    Index span = 1, count = 1;
+    for (int axis = 0; axis < 4; ++axis) {
+      count *= extents[axis];
+      if (extents[axis] > 0) span += (extents[axis] - 1) * real[axis];
+    }
+    buffer_size = static_cast<std::size_t>(count > 0 ? span : 0);
+    buffer.reset(new M[buffer_size > 0 ? buffer_size : 1]);
+    std::fill(buffer.get(), buffer.get() + buffer_size, gap_value);
+    dense.assign(static_cast<std::size_t>(count), M());
+    strides = real;
+    for (int axis = 0; axis < 3; ++axis) {
+      if (extents[axis] == 1) strides[axis] = Index(1) << 24;
+    }
+  }
+  Index dense_index(Index b, Index h, Index i, Index j) const {
+    return ((b * extents[1] + h) * extents[2] + i) * extents[3] + j;
+  }
+  void set(Index b, Index h, Index i, Index j, M value) {
+    dense[static_cast<std::size_t>(dense_index(b, h, i, j))] = value;
+    buffer[static_cast<std::size_t>(b * real[0] + h * real[1] + i * real[2] + j * real[3])] = value;
+  }
+  /// The element query (b, h, i) sees at key j, broadcasting extent-1 axes.
+  M at(Index b, Index h, Index i, Index j) const {
+    return dense[static_cast<std::size_t>(
+        dense_index(extents[0] == 1 ? 0 : b, extents[1] == 1 ? 0 : h, extents[2] == 1 ? 0 : i, j))];
+  }
+  qkv::TensorView4<const M> view() const { return qkv::TensorView4<const M>(buffer.get(), extents, strides); }
+};
+
+/// Everything one input decodes into.
+struct Call {
+  std::array<std::uint8_t, kHeaderBytes> header{};
+  Index B = 1, Hq = 1, Hkv = 1, Sq = 0, Skv = 0, D = 1, Dv = 1;  // B is the views' batch extent (1 with varlen)
+  int layout = 0;
+  bool want_lse = false;
+  Tensor4 q, k, v, out;
+  std::vector<float> lse_buffer;
+  std::array<Index, 3> lse_strides{};
+  bool has_allowed = false, has_bias = false;
+  MaskTensor<bool> allowed;
+  MaskTensor<float> bias;
+  qkv::AttentionOptions<float> options;
+  // The views handed to the library (a corruption may change them).
+  qkv::TensorView4<const float> q_view, k_view, v_view;
+  qkv::TensorView4<float> out_view;
+  qkv::TensorView3<float> lse_view;
+  MaskTensor<bool> corrupt_allowed;  // storage a corruption may need
+  MaskTensor<float> corrupt_bias;
+  int corruption = kNone;
+  bool shape_valid = true;  // Hq % Hkv == 0 and D ≥ 1
+};
+
+Index decode_length(std::uint8_t byte) {
+  // 0..24, with small and tile-boundary lengths weighted up; byte 0 gives 7.
+  static constexpr std::array<Index, 32> kLengths = {7,  0,  1,  2,  3,  4,  5,  6,  8,  8,  9,  10, 11, 12, 13, 14,
+                                                     15, 16, 16, 17, 18, 19, 20, 21, 22, 23, 24, 1,  2,  3,  5,  7};
+  return kLengths[byte % kLengths.size()];
+}
+
+/// Splits `total` rows into `n` sequences (some may be empty).
+std::vector<Index> split_rows(Index total, Index n, Random& random) {
+  std::vector<Index> cuts;
+  for (Index s = 0; s + 1 < n; ++s)
+    cuts.push_back(static_cast<Index>(random.next() % static_cast<std::uint64_t>(total + 1)));
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<Index> cu = {0};
+  for (Index cut : cuts) cu.push_back(cut);
+  cu.push_back(total);
+  return cu;
+}
+
+/// One (sequence, query head, query row) of a valid call and where its rows are.
+struct RowPlace {
+  Index b_view = 0, h = 0, row = 0, i = 0, sq = 0, skv = 0, k0 = 0;
+};
+
+template <class F>
+void for_each_row(const Call& c, F&& visit) {
+  const auto& o = c.options;
+  const bool varlen = !o.cu_seqlens_q.empty();
+  const Index n_sequences = varlen ? static_cast<Index>(o.cu_seqlens_q.size()) - 1 : c.B;
+  for (Index s = 0; s < n_sequences; ++s) {
+    RowPlace p;
+    const std::size_t us = static_cast<std::size_t>(s);
+    p.b_view = varlen ? 0 : s;
+    const Index q0 = varlen ? o.cu_seqlens_q[us] : 0;
+    p.k0 = varlen ? o.cu_seqlens_k[us] : 0;
+    p.sq = varlen ? o.cu_seqlens_q[us + 1] - q0 : c.Sq;
+    p.skv = varlen ? o.cu_seqlens_k[us + 1] - p.k0 : (o.key_lengths.empty() ? c.Skv : o.key_lengths[us]);
+    for (p.h = 0; p.h < c.Hq; ++p.h) {
+      for (p.i = 0; p.i < p.sq; ++p.i) {
+        p.row = q0 + p.i;
+        visit(p);
+      }
+    }
+  }
+}
+
+/// DESIGN.md's index and data rules (everything but a −∞ score): may query p see key j of its sequence?
+bool rule_visible(const Call& c, const RowPlace& p, Index j) {
+  const auto& o = c.options;
+  if (j >= p.skv) return false;
+  const Index diag = o.alignment == qkv::CausalAlignment::bottom_right ? p.i + (p.skv - p.sq) : p.i;
+  if (o.causal && j > diag) return false;
+  if (j >= o.global_tokens) {
+    if (o.window_left >= 0 && j < diag - o.window_left) return false;
+    if (o.window_right >= 0 && j > diag + o.window_right) return false;
+  }
+  if (c.has_allowed && !c.allowed.at(p.b_view, p.h, p.row, p.k0 + j)) return false;
+  if (c.has_bias && c.bias.at(p.b_view, p.h, p.row, p.k0 + j) == -kInf) return false;
+  return true;
+}
+
+// ---- decoding ------------------------------------------------------------------------------------------------------
+
+void fill_tensor(Tensor4& t, Random& random, float magnitude) {
+  for (float& x : t.dense) x = random.uniform() * magnitude;
+}
+
+void make_lse(Call& c, bool padded) {
+  const Index pad = padded ? 1 : 0;
+  c.lse_strides = {c.Hq * (c.Sq + pad), c.Sq + pad, 1};
+  const Index count = c.B * c.Hq * c.Sq;
+  const std::size_t span =
+      count > 0 ? static_cast<std::size_t>((c.B - 1) * c.lse_strides[0] + (c.Hq - 1) * c.lse_strides[1] + c.Sq) : 0;
+  c.lse_buffer.assign(span, kOutSentinel);
+  for (Index b = 0; b < c.B; ++b)
+    for (Index h = 0; h < c.Hq; ++h)
+      for (Index i = 0; i < c.Sq; ++i)
+        c.lse_buffer[static_cast<std::size_t>(b * c.lse_strides[0] + h * c.lse_strides[1] + i)] = kNaN;
+}
+
+void decode(const std::uint8_t* data, std::size_t size, Call& c) {
+  ByteReader reader(data, size);
+  for (auto& byte : c.header) byte = reader.byte();
+  const auto& h = c.header;
+  Random random(static_cast<std::uint64_t>(h[kFieldSeed0]) | static_cast<std::uint64_t>(h[kFieldSeed1]) << 8 |
+                static_cast<std::uint64_t>(h[kFieldSeed2]) << 16 | static_cast<std::uint64_t>(h[kFieldSeed3]) << 24);
+  auto& o = c.options;
+
+  // Shape.
+  static constexpr std::array<Index, 9> kBatches = {1, 2, 1, 2, 1, 2, 1, 2, 0};
+  static constexpr std::array<Index, 9> kQueryHeads = {1, 2, 3, 4, 2, 4, 4, 1, 0};
+  c.B = kBatches[h[kFieldB] % 9];
+  c.Hq = kQueryHeads[h[kFieldHq] % 9];
+  c.Hkv = 1 + h[kFieldHkv] % 4;
+  if ((h[kFieldHkv] / 4) % 2 == 0) {  // mostly a divisor of Hq; otherwise whatever was drawn (GQA error)
+    while (c.Hq > 0 && c.Hq % c.Hkv != 0) --c.Hkv;
+  }
+  c.Sq = decode_length(h[kFieldSq]);
+  c.Skv = decode_length(h[kFieldSkv]);
+  c.D = h[kFieldD] % 25 == 24 ? 0 : 1 + h[kFieldD] % 12;
+  c.Dv = (h[kFieldDv] + 1) % 13;
+  c.layout = h[kFieldLayout] % 12;
+  c.shape_valid = c.D >= 1 && c.Hq % c.Hkv == 0;
+
+  // Varlen: 1..3 sequences over the rows of a batch-1 view.
+  const int n_sequences = h[kFieldVarlen] % 8 < 5 ? 0 : h[kFieldVarlen] % 8 - 4;
+  if (n_sequences > 0) {
+    c.B = 1;
+    o.cu_seqlens_q = split_rows(c.Sq, n_sequences, random);
+    o.cu_seqlens_k = split_rows(c.Skv, n_sequences, random);
+  }
+
+  // Scalar options.
+  if (h[kFieldScale] % 9 != 0) o.scale = kScales[h[kFieldScale] % 9 - 1];
+  if (h[kFieldSoftcap] % 5 != 0) o.softcap = kSoftcaps[h[kFieldSoftcap] % 5 - 1];
+  o.causal = (h[kFieldCausal] & 1) != 0;
+  if (h[kFieldCausal] & 2) o.alignment = qkv::CausalAlignment::top_left;
+  o.window_left = h[kFieldWindowLeft] % 2 == 0 ? -1 : (h[kFieldWindowLeft] / 2) % 10 - 1;
+  o.window_right = h[kFieldWindowRight] % 2 == 0 ? -1 : (h[kFieldWindowRight] / 2) % 10 - 1;
+  o.global_tokens = h[kFieldGlobalTokens] % 2 == 0 ? 0 : (h[kFieldGlobalTokens] / 2) % 30;
+  static constexpr std::array<qkv::Backend, 3> kBackends = {qkv::Backend::automatic, qkv::Backend::fused,
+                                                            qkv::Backend::reference};
+  o.backend = kBackends[h[kFieldBackend] % 3];
+  if (h[kFieldKeyLengths] % 2 == 1 && n_sequences == 0) {
+    for (Index b = 0; b < c.B; ++b) {
+      // Half the time the full length, else anything in [0, Skv].
+      o.key_lengths.push_back(
+          random.chance(30) ? c.Skv : static_cast<Index>(random.next() % static_cast<std::uint64_t>(c.Skv + 1)));
+    }
+  }
+  static constexpr std::array<float, 6> kSlopes = {0.0f, 0.5f, 0.0625f, -0.25f, 2.0f, 1e3f};
+  if (h[kFieldAlibi] % 3 == 1) {
+    for (Index q_head = 0; q_head < c.Hq; ++q_head) o.alibi_slopes.push_back(kSlopes[random.next() % kSlopes.size()]);
+  }
+  static constexpr std::array<float, 6> kSinks = {-kInf, 0.0f, 1.0f, -2.0f, 5.0f, 30.0f};
+  if (h[kFieldSinks] % 3 == 1) {
+    for (Index q_head = 0; q_head < c.Hq; ++q_head) o.sinks.push_back(kSinks[random.next() % kSinks.size()]);
+  }
+
+  // Tensors.
+  const int layout_out = (c.layout + h[kFieldLse] / 2) % 12;
+  make_layout(c.q, {c.B, c.Hq, c.Sq, c.D}, c.layout, kNaN);
+  make_layout(c.k, {c.B, c.Hkv, c.Skv, c.D}, c.layout, kNaN);
+  make_layout(c.v, {c.B, c.Hkv, c.Skv, c.Dv}, c.layout, kNaN);
+  make_layout(c.out, {c.B, c.Hq, c.Sq, c.Dv}, layout_out, kOutSentinel);
+  const int magnitude = h[kFieldMagnitude];
+  fill_tensor(c.q, random, magnitude < 128 ? 1.0f : kMagnitudes[magnitude & 3]);
+  fill_tensor(c.k, random, magnitude < 128 ? 1.0f : kMagnitudes[(magnitude >> 2) & 3]);
+  fill_tensor(c.v, random, magnitude < 128 ? 1.0f : kMagnitudes[(magnitude >> 4) & 3]);
+  std::fill(c.out.dense.begin(), c.out.dense.end(), kNaN);  // every element must be written
+  c.want_lse = h[kFieldLse] % 2 == 1;
+  make_lse(c, (h[kFieldLse] & 4) != 0);
+
+  // allowed and bias: bits 0..2 broadcast the B, Hq, Sq axes; bits 5..6 the density of false / −∞.
+  const bool padded_masks = (c.layout & 2) != 0;
+  if (h[kFieldAllowed] % 3 == 1 && n_sequences == 0) {
+    c.has_allowed = true;
+    const int bits = h[kFieldAllowed] >> 2;
+    c.allowed.make({bits & 1 ? 1 : c.B, bits & 2 ? 1 : c.Hq, bits & 4 ? 1 : c.Sq, c.Skv}, padded_masks, false);
+    static constexpr std::array<int, 4> kFalse = {10, 40, 70, 100};
+    const int percent_false = kFalse[(bits >> 3) & 3];
+    const auto& e = c.allowed.extents;
+    for (Index b = 0; b < e[0]; ++b)
+      for (Index q_head = 0; q_head < e[1]; ++q_head)
+        for (Index i = 0; i < e[2]; ++i)
+          for (Index j = 0; j < e[3]; ++j) c.allowed.set(b, q_head, i, j, !random.chance(percent_false));
+  }
+  if (h[kFieldBias] % 3 == 1 && n_sequences == 0) {
+    c.has_bias = true;
+    const int bits = h[kFieldBias] >> 2;
+    c.bias.make({bits & 1 ? 1 : c.B, bits & 2 ? 1 : c.Hq, bits & 4 ? 1 : c.Sq, c.Skv}, padded_masks, kNaN);
+    static constexpr std::array<int, 4> kMinusInf = {0, 15, 50, 95};
+    static constexpr std::array<float, 4> kBiasMagnitudes = {1.0f, 4.0f, 1e3f, 1e15f};
+    const int percent_hidden = kMinusInf[(bits >> 3) & 3];
+    const float bias_magnitude = kBiasMagnitudes[(bits >> 5) & 1 ? 2 + (bits & 1) : 0];
+    const auto& e = c.bias.extents;
+    for (Index b = 0; b < e[0]; ++b)
+      for (Index q_head = 0; q_head < e[1]; ++q_head)
+        for (Index i = 0; i < e[2]; ++i)
+          for (Index j = 0; j < e[3]; ++j)
+            c.bias.set(b, q_head, i, j, random.chance(percent_hidden) ? -kInf : random.uniform() * bias_magnitude);
+  }
+
+  // Special values at positions the input chooses: (tensor, position, value) triples after the header.
+  const int n_specials = h[kFieldSpecials] % 32;
+  for (int n = 0; n < n_specials; ++n) {
+    const int tensor = reader.below(4);
+    const std::uint16_t position = reader.u16();
+    const float value = kSpecialValues[reader.byte() % kSpecialValues.size()];
+    if (tensor < 3) {
+      Tensor4& t = tensor == 0 ? c.q : tensor == 1 ? c.k : c.v;
+      if (!t.dense.empty()) t.dense[position % t.dense.size()] = value;
+    } else if (c.has_bias && !c.bias.dense.empty()) {
+      const std::size_t at = position % c.bias.dense.size();
+      const auto& e = c.bias.extents;
+      const Index j = static_cast<Index>(at) % e[3], i = static_cast<Index>(at) / e[3] % e[2];
+      const Index q_head = static_cast<Index>(at) / (e[3] * e[2]) % e[1],
+                  b = static_cast<Index>(at) / (e[3] * e[2] * e[1]);
+      c.bias.set(b, q_head, i, j, value);
+    }
+  }
+
+  // Poison: NaN or ±∞ in every K/V slot that no query of its group may see (past key_lengths, under allowed =
+  // false or a −∞ bias, outside every causal/window band); DESIGN.md says they cannot reach the output.
+  if (h[kFieldPoison] % 2 == 1 && c.shape_valid) {
+    static constexpr std::array<float, 3> kPoison = {kNaN, kInf, -kInf};
+    const float poison = kPoison[(h[kFieldPoison] / 2) % 3];
+    const Index group = c.Hq / c.Hkv;
+    std::vector<char> seen(static_cast<std::size_t>(c.B * c.Hkv * c.Skv), 0);
+    for_each_row(c, [&](const RowPlace& p) {
+      for (Index j = 0; j < p.skv; ++j) {
+        if (rule_visible(c, p, j))
+          seen[static_cast<std::size_t>((p.b_view * c.Hkv + p.h / group) * c.Skv + p.k0 + j)] = 1;
+      }
+    });
+    for (Index b = 0; b < c.B; ++b)
+      for (Index h_kv = 0; h_kv < c.Hkv; ++h_kv)
+        for (Index j = 0; j < c.Skv; ++j) {
+          if (seen[static_cast<std::size_t>((b * c.Hkv + h_kv) * c.Skv + j)]) continue;
+          for (Index d = 0; d < c.D; ++d) c.k.dense[static_cast<std::size_t>(c.k.dense_index(b, h_kv, j, d))] = poison;
+          for (Index d = 0; d < c.Dv; ++d) c.v.dense[static_cast<std::size_t>(c.v.dense_index(b, h_kv, j, d))] = poison;
+        }
+  }
+
+  scatter(c.q);
+  scatter(c.k);
+  scatter(c.v);
+  scatter(c.out);
+  if (c.has_allowed) o.allowed = c.allowed.view();
+  if (c.has_bias) o.bias = c.bias.view();
+  c.q_view = qkv::TensorView4<const float>(c.q.buffer.data(), c.q.extents, c.q.strides);
+  c.k_view = qkv::TensorView4<const float>(c.k.buffer.data(), c.k.extents, c.k.strides);
+  c.v_view = qkv::TensorView4<const float>(c.v.buffer.data(), c.v.extents, c.v.strides);
+  c.out_view = qkv::TensorView4<float>(c.out.buffer.data(), c.out.extents, c.out.strides);
+  c.lse_view = qkv::TensorView3<float>(c.lse_buffer.data(), {c.B, c.Hq, c.Sq}, c.lse_strides);
+  c.corruption = h[kFieldCorruption] % 3 == 2 ? 1 + (h[kFieldCorruption] / 3) % (kCorruptionCount - 1) : kNone;
+}
+
+// ---- corruptions ---------------------------------------------------------------------------------------------------
+
+/// Applies c.corruption; returns the corruption applied (kScaleNaN when the drawn one needs elements that this
+/// shape does not have).
+int corrupt(Call& c) {
+  auto& o = c.options;
+  const int parameter = c.header[kFieldCorruptionParameter];
+  const bool out_nonempty = c.out_view.size() > 0, q_nonempty = c.q_view.size() > 0;
+  const bool lse_nonempty = c.B * c.Hq * c.Sq > 0;
+  const std::array<Index, 4> full_mask = {c.B, c.Hq, c.Sq, c.Skv};
+  auto valid_cu = [&]() {
+    if (o.cu_seqlens_q.empty()) {
+      o.cu_seqlens_q = {0, c.Sq};
+      o.cu_seqlens_k = {0, c.Skv};
+    }
+  };
+  switch (c.corruption) {
+    case kScaleNaN:
+      o.scale = kNaN;
+      break;
+    case kScaleInfinite:
+      o.scale = parameter % 2 ? kInf : -kInf;
+      break;
+    case kSoftcapNegative:
+      o.softcap = -0.5f - static_cast<float>(parameter % 4);
+      break;
+    case kSoftcapNaN:
+      o.softcap = kNaN;
+      break;
+    case kSoftcapInfinite:
+      o.softcap = kInf;
+      break;
+    case kWindowLeftBelowMinusOne:
+      o.window_left = -2 - parameter % 5;
+      break;
+    case kWindowRightBelowMinusOne:
+      o.window_right = -2 - parameter % 5;
+      break;
+    case kGlobalTokensNegative:
+      o.global_tokens = -1 - parameter % 3;
+      break;
+    case kKeyLengthsWrongCount:
+      o.key_lengths.assign(static_cast<std::size_t>(c.B == 2 && parameter % 2 ? 1 : c.B + 1), 0);
+      break;
+    case kKeyLengthTooLong:
+    case kKeyLengthNegative: {
+      o.key_lengths.assign(static_cast<std::size_t>(std::max<Index>(c.B, 1)), c.Skv);
+      o.key_lengths[static_cast<std::size_t>(parameter) % o.key_lengths.size()] =
+          c.corruption == kKeyLengthTooLong ? c.Skv + 1 + parameter % 3 : -1 - parameter % 2;
+      break;
+    }
+    case kAllowedWrongExtent:
+    case kBiasWrongExtent: {
+      std::array<Index, 4> shape = full_mask;
+      const int axis = parameter % 4;
+      shape[axis] = axis < 3 ? shape[axis] + 2 : shape[axis] + 1;  // neither the expected extent nor 1
+      if (c.corruption == kAllowedWrongExtent) {
+        c.corrupt_allowed.make(shape, false, true);
+        o.allowed = c.corrupt_allowed.view();
+      } else {
+        c.corrupt_bias.make(shape, false, 0.0f);
+        o.bias = c.corrupt_bias.view();
+      }
+      break;
+    }
+    case kAllowedNegativeStride: {
+      c.corrupt_allowed.make(full_mask, false, true);
+      auto strides = c.corrupt_allowed.strides;
+      strides[parameter % 4] = -1 - parameter % 3;
+      o.allowed = qkv::TensorView4<const bool>(c.corrupt_allowed.buffer.get(), full_mask, strides);
+      break;
+    }
+    case kBiasInnermostStride: {
+      c.corrupt_bias.make({full_mask[0], full_mask[1], full_mask[2], 2 * c.Skv}, false, 0.0f);
+      auto strides = c.corrupt_bias.strides;
+      strides[3] = c.Skv >= 2 ? 2 : -1;
+      o.bias = qkv::TensorView4<const float>(c.corrupt_bias.buffer.get(), full_mask, strides);
+      break;
+    }
+    case kAlibiWrongCount:
+      o.alibi_slopes.assign(static_cast<std::size_t>(c.Hq + 1 + parameter % 2), 0.5f);
+      break;
+    case kSinksWrongCount:
+      o.sinks.assign(static_cast<std::size_t>(c.Hq + 1 + parameter % 2), 0.0f);
+      break;
+    case kAlibiNonFinite:
+    case kSinksNaNOrPlusInfinity: {
+      auto& values = c.corruption == kAlibiNonFinite ? o.alibi_slopes : o.sinks;
+      values.assign(static_cast<std::size_t>(std::max<Index>(c.Hq, 1)), 0.25f);
+      static constexpr std::array<float, 3> kBad = {kNaN, kInf, -kInf};  // −∞ is a valid sink: not drawn for sinks
+      values[static_cast<std::size_t>(parameter) % values.size()] =
+          kBad[static_cast<std::size_t>(parameter / 4) % (c.corruption == kAlibiNonFinite ? 3 : 2)];
+      break;
+    }
+    case kCuSeqlensFirstNotZero:
+      valid_cu();
+      o.cu_seqlens_q[0] = 1 + parameter % 2;
+      break;
+    case kCuSeqlensDecreasing:
+      valid_cu();
+      o.cu_seqlens_q = {0, c.Sq + 1, c.Sq};
+      o.cu_seqlens_k = {0, c.Skv, c.Skv};
+      break;
+    case kCuSeqlensLastNotRows:
+      valid_cu();
+      o.cu_seqlens_k.back() += 1 + parameter % 2;
+      break;
+    case kCuSeqlensSizesDiffer:
+      valid_cu();
+      o.cu_seqlens_k.push_back(o.cu_seqlens_k.back());
+      break;
+    case kCuSeqlensOnlyOne:
+      valid_cu();
+      (parameter % 2 ? o.cu_seqlens_q : o.cu_seqlens_k).clear();
+      break;
+    case kCuSeqlensWithKeyLengths:
+      valid_cu();
+      o.key_lengths.assign(1, c.Skv);
+      break;
+    case kCuSeqlensWithAllowed:
+      valid_cu();
+      c.corrupt_allowed.make({1, c.Hq, c.Sq, c.Skv}, false, true);
+      o.allowed = c.corrupt_allowed.view();
+      break;
+    case kCuSeqlensWithBias:
+      valid_cu();
+      c.corrupt_bias.make({1, c.Hq, c.Sq, c.Skv}, false, 0.0f);
+      o.bias = c.corrupt_bias.view();
+      break;
+    case kCuSeqlensBatchNotOne: {
+      valid_cu();
+      auto widen = [](auto& view) {
+        view = std::decay_t<decltype(view)>(view.data(), {2, view.extent(1), view.extent(2), view.extent(3)},
+                                            view.strides());
+      };
+      if (c.B != 2) {
+        widen(c.q_view);
+        widen(c.k_view);
+        widen(c.v_view);
+        widen(c.out_view);
+      }
+      break;
+    }
+    case kKBatchMismatch:
+    case kKHeadDimMismatch:
+    case kVSequenceMismatch:
+    case kVHeadsMismatch: {
+      auto& view = c.corruption == kKBatchMismatch || c.corruption == kKHeadDimMismatch ? c.k_view : c.v_view;
+      auto extents = view.extents();
+      const int axis = c.corruption == kKBatchMismatch      ? 0
+                       : c.corruption == kKHeadDimMismatch  ? 3
+                       : c.corruption == kVSequenceMismatch ? 2
+                                                            : 1;
+      extents[axis] += 1;
+      view = qkv::TensorView4<const float>(view.data(), extents, view.strides());
+      break;
+    }
+    case kOutWrongExtent: {
+      auto extents = c.out_view.extents();
+      extents[parameter % 4] += 1;
+      c.out_view = qkv::TensorView4<float>(c.out_view.data(), extents, c.out_view.strides());
+      break;
+    }
+    case kOutOverlapsQ:
+      if (!out_nonempty || !q_nonempty) return kScaleNaN;
+      // out starts at q's first element: both non-empty, so they overlap whatever the shapes.
+      c.out_view = qkv::TensorView4<float>(c.q.buffer.data(), c.out_view.extents(), c.out_view.strides());
+      break;
+    case kOutSelfOverlap: {
+      if (!out_nonempty || c.Sq < 2) return kScaleNaN;
+      auto strides = c.out_view.strides();
+      strides[2] = 0;
+      c.out_view = qkv::TensorView4<float>(c.out_view.data(), c.out_view.extents(), strides);
+      break;
+    }
+    case kQInnermostStride: {
+      auto strides = c.q_view.strides();
+      if (c.D >= 2) {
+        strides[3] = 2;
+      } else {
+        strides[parameter % 4] = -1;
+      }
+      c.q_view = qkv::TensorView4<const float>(c.q_view.data(), c.q_view.extents(), strides);
+      break;
+    }
+    case kKNegativeStride: {
+      auto strides = c.k_view.strides();
+      strides[parameter % 4] = -1 - parameter % 5;
+      c.k_view = qkv::TensorView4<const float>(c.k_view.data(), c.k_view.extents(), strides);
+      break;
+    }
+    case kQNullData:
+      if (!q_nonempty) return kScaleNaN;
+      c.q_view = qkv::TensorView4<const float>(nullptr, c.q_view.extents(), c.q_view.strides());
+      break;
+    case kLseWrongExtent: {
+      c.want_lse = true;
+      auto extents = c.lse_view.extents();
+      extents[parameter % 3] += 1;
+      c.lse_view = qkv::TensorView3<float>(c.lse_view.data(), extents, c.lse_view.strides());
+      break;
+    }
+    case kLseOverlapsOut:
+      if (!lse_nonempty || !out_nonempty) return kScaleNaN;
+      c.want_lse = true;
+      c.lse_view = qkv::TensorView3<float>(c.out.buffer.data(), c.lse_view.extents(), c.lse_view.strides());
+      break;
+    default:
+      break;
+  }
+  return c.corruption;
+}
+
+// ---- the oracles ---------------------------------------------------------------------------------------------------
+
+/// What the harness knows about one query row of a valid call.
+struct RowFacts {
+  bool any_visible = false;  // some key survives every rule, −∞ scores included
+  bool tainted = false;      // touches a non-finite q, visible k or v, or a +∞/NaN bias: may be NaN
+  bool fits = true;          // the finite parts of its float64 scores fit in float
+  double max_abs_v = 0;      // over its visible keys
+  double max_bound = 0;      // the largest Σ|q_d·k_d|·|scale| + |bias| + |alibi| over its visible keys
+  bool conditioned = true;   // every visible score is well conditioned (see kConditionedBound)
+};
+
+/// The accuracy rule compares one call's error with a plain float implementation's; both are rounding noise of
+/// the scores, |s|·2^-24 and more under cancellation. Where that noise dwarfs 1e-6·max(1, max|V|), the two errors
+/// are independent draws of the same size and "≤ 2×" is a coin toss, not a property of the kernel (the fuzzer finds
+/// such rows within a minute: fused 5e-6 against plain float 1e-6 with 20 scores near 137, 1.3e-5 against 5e-6 near
+/// 457, dot products that cancel from 1e30). So the rule is checked on rows whose scores satisfy
+/// Σ|q_d·k_d|·|scale| + |bias| + |alibi| ≤ kConditionedBound and ≤ kCancellation·max(1, |s|): the range of the
+/// test suites' randomized grids (values in [−2, 2], D ≤ 12: |s| ≤ 14); every other row is still checked for
+/// finiteness, NaN and the empty-row rule.
+constexpr double kConditionedBound = 16;
+constexpr double kCancellation = 8;
+
+/// A plain float implementation (materialized scores, softmax, P·V, all in float) of one row. Four variants, all
+/// plain: `reverse` sums every reduction in the other order, `scale_first` multiplies q by the scale before the dot
+/// product (as FlashAttention and the fused kernel do) instead of scaling the dot product. Returns the output row
+/// and its lse.
+void plain_float_row(const Call& c, const RowPlace& p, const std::vector<Index>& visible, bool reverse,
+                     bool scale_first, std::vector<float>& out, float& lse) {
+  const auto& o = c.options;
+  const Index h_kv = p.h / (c.Hq / c.Hkv);
+  const float scale = o.scale ? *o.scale : 1.0f / std::sqrt(static_cast<float>(c.D));
+  const Index diag = o.alignment == qkv::CausalAlignment::bottom_right ? p.i + (p.skv - p.sq) : p.i;
+  const Index n = static_cast<Index>(visible.size());
+  std::vector<float> s(visible.size());
+  for (Index t = 0; t < n; ++t) {
+    const Index j = visible[static_cast<std::size_t>(t)];
+    float dot = 0;
+    for (Index e = 0; e < c.D; ++e) {
+      const Index d = reverse ? c.D - 1 - e : e;
+      const float x = c.q.dense[static_cast<std::size_t>(c.q.dense_index(p.b_view, p.h, p.row, d))];
+      dot += (scale_first ? x * scale : x) *
+             c.k.dense[static_cast<std::size_t>(c.k.dense_index(p.b_view, h_kv, p.k0 + j, d))];
+    }
+    float score = scale_first ? dot : dot * scale;
+    if (o.softcap > 0) score = o.softcap * std::tanh(score / o.softcap);
+    if (c.has_bias) score += c.bias.at(p.b_view, p.h, p.row, p.k0 + j);
+    if (!o.alibi_slopes.empty()) {
+      score -= o.alibi_slopes[static_cast<std::size_t>(p.h)] * static_cast<float>(std::abs(diag - j));
+    }
+    s[static_cast<std::size_t>(t)] = score;
+  }
+  const float sink = o.sinks.empty() ? -kInf : o.sinks[static_cast<std::size_t>(p.h)];
+  float m = sink;
+  for (float x : s) m = std::max(m, x);
+  float denominator = o.sinks.empty() ? 0.0f : std::exp(sink - m);
+  std::vector<float> weight(s.size());
+  for (Index e = 0; e < n; ++e) {
+    const std::size_t t = static_cast<std::size_t>(reverse ? n - 1 - e : e);
+    weight[t] = std::exp(s[t] - m);
+    denominator += weight[t];
+  }
+  out.assign(static_cast<std::size_t>(c.Dv), 0.0f);
+  for (Index d = 0; d < c.Dv; ++d) {
+    float sum = 0;
+    for (Index e = 0; e < n; ++e) {
+      const Index t = reverse ? n - 1 - e : e;
+      sum +=
+          weight[static_cast<std::size_t>(t)] * c.v.dense[static_cast<std::size_t>(c.v.dense_index(
+                                                    p.b_view, h_kv, p.k0 + visible[static_cast<std::size_t>(t)], d))];
+    }
+    out[static_cast<std::size_t>(d)] = sum / denominator;
+  }
+  lse = m + std::log(denominator);
+}
+
+/// The float64 score of a rule-visible (i, j), following DESIGN.md; `bound` receives Σ|q_d·k_d|·|scale| over the
+/// finite products plus the finite |bias| (what float must hold).
+double score64(const Call& c, const RowPlace& p, Index j, double& bound) {
+  const auto& o = c.options;
+  const Index h_kv = p.h / (c.Hq / c.Hkv);
+  const double scale = o.scale ? static_cast<double>(*o.scale) : 1.0 / std::sqrt(static_cast<double>(c.D));
+  double dot = 0;
+  bound = 0;
+  for (Index d = 0; d < c.D; ++d) {
+    const double x = c.q.dense[static_cast<std::size_t>(c.q.dense_index(p.b_view, p.h, p.row, d))];
+    const double y = c.k.dense[static_cast<std::size_t>(c.k.dense_index(p.b_view, h_kv, p.k0 + j, d))];
+    dot += x * y;
+    if (std::isfinite(x) && std::isfinite(y)) bound += std::abs(x * y);
+  }
+  bound *= std::abs(scale);
+  double s = dot * scale;
+  if (o.softcap > 0) s = o.softcap * std::tanh(s / o.softcap);
+  if (c.has_bias) {
+    const double bias = c.bias.at(p.b_view, p.h, p.row, p.k0 + j);
+    s += bias;
+    if (std::isfinite(bias)) bound += std::abs(bias);
+  }
+  if (!o.alibi_slopes.empty()) {
+    const Index diag = o.alignment == qkv::CausalAlignment::bottom_right ? p.i + (p.skv - p.sq) : p.i;
+    const double distance = static_cast<double>(std::abs(diag - j));
+    s -= static_cast<double>(o.alibi_slopes[static_cast<std::size_t>(p.h)]) * distance;
+    bound += std::abs(static_cast<double>(o.alibi_slopes[static_cast<std::size_t>(p.h)])) * distance;
+  }
+  return s;
+}
+
+bool row_nonfinite(const Tensor4& t, Index b, Index h, Index s) {
+  for (Index d = 0; d < t.extents[3]; ++d) {
+    if (!std::isfinite(t.dense[static_cast<std::size_t>(t.dense_index(b, h, s, d))])) return true;
+  }
+  return false;
+}
+
+brute::Result brute_force(const Call& c) {
+  const auto& o = c.options;
+  brute::Params p;
+  p.B = c.B;
+  p.Hq = c.Hq;
+  p.Hkv = c.Hkv;
+  p.Sq = c.Sq;
+  p.Skv = c.Skv;
+  p.D = c.D;
+  p.Dv = c.Dv;
+  if (o.scale) p.scale = static_cast<double>(*o.scale);
+  p.softcap = o.softcap;
+  p.causal = o.causal;
+  p.alignment =
+      o.alignment == qkv::CausalAlignment::bottom_right ? brute::Alignment::bottom_right : brute::Alignment::top_left;
+  p.window_left = o.window_left;
+  p.window_right = o.window_right;
+  p.global_tokens = o.global_tokens;
+  p.key_lengths.assign(o.key_lengths.begin(), o.key_lengths.end());
+  if (c.has_allowed) {
+    brute::Broadcast4<char> a;
+    for (int axis = 0; axis < 4; ++axis)
+      a.extents[static_cast<std::size_t>(axis)] = c.allowed.extents[static_cast<std::size_t>(axis)];
+    for (bool x : c.allowed.dense) a.data.push_back(x ? 1 : 0);
+    p.allowed = a;
+  }
+  if (c.has_bias) {
+    brute::Broadcast4<double> a;
+    for (int axis = 0; axis < 4; ++axis)
+      a.extents[static_cast<std::size_t>(axis)] = c.bias.extents[static_cast<std::size_t>(axis)];
+    a.data.assign(c.bias.dense.begin(), c.bias.dense.end());
+    p.bias = a;
+  }
+  p.alibi_slopes.assign(o.alibi_slopes.begin(), o.alibi_slopes.end());
+  p.sinks.assign(o.sinks.begin(), o.sinks.end());
+  p.cu_seqlens_q.assign(o.cu_seqlens_q.begin(), o.cu_seqlens_q.end());
+  p.cu_seqlens_k.assign(o.cu_seqlens_k.begin(), o.cu_seqlens_k.end());
+  const std::vector<double> q(c.q.dense.begin(), c.q.dense.end()), k(c.k.dense.begin(), c.k.dense.end()),
+      v(c.v.dense.begin(), c.v.dense.end());
+  return brute::attention(q, k, v, p);
+}
+
+std::string where(const Call& c, const RowPlace& p) {
+  return "b " + std::to_string(p.b_view) + " h " + std::to_string(p.h) + " row " + std::to_string(p.row) +
+         " (corruption " + std::to_string(c.corruption) + ")";
+}
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+// ---- the checks ----------------------------------------------------------------------------------------------------
+
+void check_valid_call(const Call& c) {
+  const auto& o = c.options;
+  const bool reference = o.backend == qkv::Backend::reference;
+  // Nothing written between the elements of out and lse.
+  std::vector<char> is_element(c.out.buffer.size(), 0);
+  for (Index b = 0; b < c.B; ++b)
+    for (Index h = 0; h < c.Hq; ++h)
+      for (Index i = 0; i < c.Sq; ++i)
+        for (Index d = 0; d < c.Dv; ++d) is_element[static_cast<std::size_t>(c.out.offset(b, h, i, d))] = 1;
+  for (std::size_t at = 0; at < c.out.buffer.size(); ++at) {
+    if (!is_element[at] && !same_bits(c.out.buffer[at], kOutSentinel)) fail("out written between its elements");
+  }
+  std::vector<char> is_lse(c.lse_buffer.size(), 0);
+  for (Index b = 0; b < c.B; ++b)
+    for (Index h = 0; h < c.Hq; ++h)
+      for (Index i = 0; i < c.Sq; ++i)
+        is_lse[static_cast<std::size_t>(b * c.lse_strides[0] + h * c.lse_strides[1] + i)] = 1;
+  for (std::size_t at = 0; at < c.lse_buffer.size(); ++at) {
+    const bool untouched = same_bits(c.lse_buffer[at], is_lse[at] ? kNaN : kOutSentinel);
+    if ((!c.want_lse || !is_lse[at]) && !untouched) fail("lse written where it must not be");
+  }
+
+  const brute::Result expected = brute_force(c);
+  double error = 0, plain_error = 0, lse_error = 0, plain_lse_error = 0, max_abs_v = 0;
+  bool any_checked = false;
+  std::string worst;  // the row with the largest error, for the failure message
+  double worst_error = -1;
+  for_each_row(c, [&](const RowPlace& p) {
+    const Index h_kv = p.h / (c.Hq / c.Hkv);
+    RowFacts facts;
+    std::vector<Index> visible;
+    const bool q_bad = row_nonfinite(c.q, p.b_view, p.h, p.row);
+    for (Index j = 0; j < p.skv; ++j) {
+      if (!rule_visible(c, p, j)) continue;
+      // The row touches key j: its q, k (and v, if the score is not −∞) and its bias.
+      if (q_bad || row_nonfinite(c.k, p.b_view, h_kv, p.k0 + j) || row_nonfinite(c.v, p.b_view, h_kv, p.k0 + j)) {
+        facts.tainted = true;
+      }
+      if (c.has_bias) {
+        const float bias = c.bias.at(p.b_view, p.h, p.row, p.k0 + j);
+        if (std::isnan(bias) || bias == kInf) facts.tainted = true;
+      }
+      double bound = 0;
+      const double s = score64(c, p, j, bound);
+      if (!(bound <= 1e37)) facts.fits = false;
+      facts.max_bound = std::max(facts.max_bound, bound);
+      if (!(bound <= kConditionedBound && bound <= kCancellation * std::max(1.0, std::abs(s))))
+        facts.conditioned = false;
+      if (s == -std::numeric_limits<double>::infinity()) continue;
+      visible.push_back(j);
+      for (Index d = 0; d < c.Dv; ++d) {
+        const double x = c.v.dense[static_cast<std::size_t>(c.v.dense_index(p.b_view, h_kv, p.k0 + j, d))];
+        if (std::isfinite(x)) facts.max_abs_v = std::max(facts.max_abs_v, std::abs(x));
+      }
+    }
+    facts.any_visible = !visible.empty();
+    if (!facts.fits) return;
+    const std::size_t lse_dense = static_cast<std::size_t>((p.b_view * c.Hq + p.h) * c.Sq + p.row);
+    const float lse =
+        c.want_lse
+            ? c.lse_buffer[static_cast<std::size_t>(p.b_view * c.lse_strides[0] + p.h * c.lse_strides[1] + p.row)]
+            : 0.0f;
+    const float sink = o.sinks.empty() ? -kInf : o.sinks[static_cast<std::size_t>(p.h)];
+    if (!facts.any_visible) {
+      for (Index d = 0; d < c.Dv; ++d) {
+        if (c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))] != 0.0f) {
+          fail("a row that sees no key is not zeros at " + where(c, p));
+        }
+      }
+      if (c.want_lse && !same_bits(lse, sink)) {
+        fail("a row that sees no key has lse " + std::to_string(lse) + ", expected " + std::to_string(sink) + " at " +
+             where(c, p));
+      }
+      if (expected.lse[lse_dense] != static_cast<double>(sink)) fail("harness: brute force disagrees on an empty row");
+      return;
+    }
+    if (facts.tainted) return;  // NaN may propagate here (DESIGN.md); other rows are checked without it
+    if (!facts.conditioned) {
+      for (Index d = 0; d < c.Dv; ++d) {
+        if (!std::isfinite(c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))])) {
+          fail("non-finite output in a row with finite inputs at " + where(c, p));
+        }
+      }
+      if (c.want_lse && !std::isfinite(lse)) fail("non-finite lse in a row with finite inputs at " + where(c, p));
+      return;
+    }
+    any_checked = true;
+    max_abs_v = std::max(max_abs_v, facts.max_abs_v);
+    std::vector<float> plain[4];
+    float plain_lse[4];
+    for (int variant = 0; variant < 4; ++variant) {
+      plain_float_row(c, p, visible, variant & 1, variant & 2, plain[variant], plain_lse[variant]);
+    }
+    double row_error = 0, row_plain_error = 0;
+    for (Index d = 0; d < c.Dv; ++d) {
+      const float got = c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))];
+      const double want = expected.out[static_cast<std::size_t>(c.out.dense_index(p.b_view, p.h, p.row, d))];
+      if (!std::isfinite(got)) {
+        fail("non-finite output " + std::to_string(got) + " in a row with finite inputs at " + where(c, p) + " d " +
+             std::to_string(d));
+      }
+      row_error = std::max(row_error, std::abs(got - want));
+      for (const auto& row : plain)
+        row_plain_error = std::max(row_plain_error, std::abs(row[static_cast<std::size_t>(d)] - want));
+    }
+    error = std::max(error, row_error);
+    plain_error = std::max(plain_error, row_plain_error);
+    if (std::getenv("QKV_FUZZ_DEBUG") && row_error > 1e-6) {
+      std::fprintf(stderr, "row %s error %g plain %g\n", where(c, p).c_str(), row_error, row_plain_error);
+      for (Index j : visible) {
+        double bound = 0;
+        std::fprintf(stderr, "  key %ld score %.9g\n", static_cast<long>(j), score64(c, p, j, bound));
+      }
+      for (Index d = 0; d < c.Dv; ++d)
+        std::fprintf(stderr, "  d %ld got %.9g want %.9g plain %.9g\n", static_cast<long>(d),
+                     c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))],
+                     expected.out[static_cast<std::size_t>(c.out.dense_index(p.b_view, p.h, p.row, d))],
+                     plain[0][static_cast<std::size_t>(d)]);
+    }
+    if (row_error > worst_error) {
+      worst_error = row_error;
+      worst = where(c, p) + ": error " + std::to_string(row_error) + ", plain float " +
+              std::to_string(row_plain_error) + ", largest |score| bound " + std::to_string(facts.max_bound) +
+              ", visible keys " + std::to_string(visible.size());
+    }
+    if (std::getenv("QKV_FUZZ_DEBUG") && c.want_lse) {
+      std::fprintf(stderr, "lse %s got %.9g want %.9g plain %.9g %.9g %.9g %.9g bound %g\n", where(c, p).c_str(), lse,
+                   expected.lse[lse_dense], plain_lse[0], plain_lse[1], plain_lse[2], plain_lse[3], facts.max_bound);
+    }
+    if (c.want_lse) {
+      if (!std::isfinite(lse)) fail("non-finite lse in a row with finite inputs at " + where(c, p));
+      lse_error = std::max(lse_error,
+                           std::abs(lse - expected.lse[lse_dense]) / std::max(1.0, std::abs(expected.lse[lse_dense])));
+      for (float x : plain_lse)
+        plain_lse_error = std::max(
+            plain_lse_error, std::abs(x - expected.lse[lse_dense]) / std::max(1.0, std::abs(expected.lse[lse_dense])));
+    }
+  });
+  if (!any_checked) return;
+  // DESIGN.md's accuracy rule, over the rows that see a key and touch only finite inputs.
+  const double absolute = 1e-6 * std::max(1.0, max_abs_v);
+  const double allowed = reference ? absolute : 2 * plain_error + absolute;
+  if (!(error <= allowed)) {
+    fail("output error " + std::to_string(error) + " exceeds " + std::to_string(allowed) + " (plain float error " +
+         std::to_string(plain_error) + ", max|V| " + std::to_string(max_abs_v) + ", backend " +
+         std::to_string(static_cast<int>(o.backend)) + "); worst row " + worst);
+  }
+  // The same rule for lse, relative to max(1, |lse|) (the harness's own reading: DESIGN.md states it for out).
+  const double lse_allowed = reference ? 1e-6 : 2 * plain_lse_error + 1e-6;
+  if (c.want_lse && !(lse_error <= lse_allowed)) {
+    fail("lse error " + std::to_string(lse_error) + " exceeds " + std::to_string(lse_allowed));
+  }
+}
+
+/// The packed Eigen entry point on the same call (B = 1, BSHD without gaps: Q is Sq × Hq·D): the same bits.
+void check_packed(const Call& c) {
+  if (c.B != 1 || c.Hq < 1 || c.layout != 1) return;
+  using Map = Eigen::Map<const qkv::Matrix<float>>;
+  const Map Q(c.q.buffer.data(), c.Sq, c.Hq * c.D), K(c.k.buffer.data(), c.Skv, c.Hkv * c.D),
+      V(c.v.buffer.data(), c.Skv, c.Hkv * c.Dv);
+  qkv::Matrix<float> O;
+  try {
+    O = qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{c.Hq, c.Hkv}, c.options);
+  } catch (const std::exception& e) {
+    fail(std::string("scaled_dot_product_attention threw on a valid call: ") + e.what());
+  }
+  if (O.rows() != c.Sq || O.cols() != c.Hq * c.Dv) fail("scaled_dot_product_attention returned the wrong shape");
+  for (Index i = 0; i < c.Sq; ++i)
+    for (Index h = 0; h < c.Hq; ++h)
+      for (Index d = 0; d < c.Dv; ++d) {
+        const float a = O(i, h * c.Dv + d), b = c.out.buffer[static_cast<std::size_t>(c.out.offset(0, h, i, d))];
+        if (!same_bits(a, b) && !(std::isnan(a) && std::isnan(b))) {
+          fail("scaled_dot_product_attention differs from attention at row " + std::to_string(i) + " head " +
+               std::to_string(h));
+        }
+      }
+}
+
+void run(const std::uint8_t* data, std::size_t size) {
+  Call c;
+  decode(data, size, c);
+  int applied = kNone;
+  if (c.corruption != kNone) {
+    applied = corrupt(c);
+    if (applied != c.corruption) c.options.scale = kNaN;  // the drawn corruption needs elements this shape lacks
+    c.corruption = applied;
+  }
+  const bool expect_valid = applied == kNone && c.shape_valid;
+  const std::vector<float> q_before = c.q.buffer, out_before = c.out.buffer, lse_before = c.lse_buffer;
+  bool threw = false;
+  try {
+    if (c.want_lse) {
+      qkv::attention<float>(c.q_view, c.k_view, c.v_view, c.out_view, c.lse_view, c.options);
+    } else {
+      qkv::attention<float>(c.q_view, c.k_view, c.v_view, c.out_view, c.options);
+    }
+  } catch (const qkv::shape_error& e) {
+    if (expect_valid) fail(std::string("shape_error on a valid call: ") + e.what());
+    threw = true;
+  } catch (const std::exception& e) {
+    fail(std::string("an exception other than shape_error: ") + e.what());
+  } catch (...) {
+    fail("a non-standard exception");
+  }
+  if (!expect_valid) {
+    if (!threw)
+      fail("an invalid call did not throw (corruption " + std::to_string(applied) + ", D " + std::to_string(c.D) +
+           ", Hq " + std::to_string(c.Hq) + ", Hkv " + std::to_string(c.Hkv) + ")");
+    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    };
+    if (!same(q_before, c.q.buffer) || !same(out_before, c.out.buffer) || !same(lse_before, c.lse_buffer)) {
+      fail("a call that threw wrote to memory");
+    }
+    return;
+  }
+  check_valid_call(c);
+  check_packed(c);
+}
+
+// ---- the seed corpus -----------------------------------------------------------------------------------------------
+
+/// Writes one input per option value and per corruption into `directory` (QKV_FUZZ_WRITE_SEEDS).
+void write_seeds(const std::string& directory) {
+  using Header = std::array<std::uint8_t, kHeaderBytes>;
+  Header base{};
+  base[kFieldB] = 0;         // B = 1
+  base[kFieldHq] = 1;        // Hq = 2
+  base[kFieldSq] = 6;        // Sq = 5
+  base[kFieldSkv] = 0;       // Skv = 7
+  base[kFieldD] = 3;         // D = 4
+  base[kFieldDv] = 2;        // Dv = 3
+  base[kFieldSeed0] = 0x5e;  // values from seed 0x5e
+  int written = 0;
+  auto emit = [&](const std::string& name, const Header& header, const std::vector<std::uint8_t>& tail = {}) {
+    std::ofstream file(directory + "/seed_" + name, std::ios::binary);
+    file.write(reinterpret_cast<const char*>(header.data()), static_cast<std::streamsize>(header.size()));
+    file.write(reinterpret_cast<const char*>(tail.data()), static_cast<std::streamsize>(tail.size()));
+    if (!file) fail("cannot write " + directory + "/" + name);
+    ++written;
+  };
+  auto with = [&](std::initializer_list<std::pair<int, int>> fields) {
+    Header h = base;
+    for (const auto& [field, value] : fields) h[static_cast<std::size_t>(field)] = static_cast<std::uint8_t>(value);
+    return h;
+  };
+  emit("plain", base);
+  emit("empty_query", with({{kFieldSq, 1}}));
+  emit("empty_key", with({{kFieldSkv, 1}}));
+  emit("dv_zero", with({{kFieldDv, 12}}));
+  emit("batch_zero", with({{kFieldB, 8}}));
+  emit("heads_zero", with({{kFieldHq, 8}}));
+  emit("gqa_4_2_batch_2", with({{kFieldB, 1}, {kFieldHq, 3}, {kFieldHkv, 1}, {kFieldSq, 16}, {kFieldSkv, 26}}));
+  emit("mqa_3_1", with({{kFieldHq, 2}, {kFieldHkv, 0}, {kFieldSq, 3}}));
+  emit("gqa_not_dividing", with({{kFieldHq, 2}, {kFieldHkv, 5}}));
+  emit("head_dim_zero", with({{kFieldD, 24}}));
+  for (int layout = 1; layout < 12; layout += 1) {
+    if (layout == 4 || layout == 5 || layout == 8 || layout == 9) continue;  // same layout as a smaller number
+    emit("layout_" + std::to_string(layout), with({{kFieldLayout, layout}, {kFieldB, 1}, {kFieldHq, 3}}));
+  }
+  for (int scale = 1; scale < 9; ++scale) emit("scale_" + std::to_string(scale), with({{kFieldScale, scale}}));
+  for (int softcap = 1; softcap < 5; ++softcap)
+    emit("softcap_" + std::to_string(softcap), with({{kFieldSoftcap, softcap}}));
+  emit("causal_bottom_right", with({{kFieldCausal, 1}, {kFieldSq, 4}, {kFieldSkv, 13}}));
+  emit("causal_top_left", with({{kFieldCausal, 3}, {kFieldSq, 13}, {kFieldSkv, 4}}));
+  emit("window_bottom_right", with({{kFieldWindowLeft, 5}, {kFieldWindowRight, 3}, {kFieldSkv, 20}}));
+  emit("window_top_left_causal_global",
+       with({{kFieldCausal, 3}, {kFieldWindowLeft, 3}, {kFieldGlobalTokens, 3}, {kFieldSq, 20}, {kFieldSkv, 20}}));
+  emit("key_lengths", with({{kFieldB, 1}, {kFieldKeyLengths, 1}, {kFieldCausal, 1}, {kFieldPoison, 1}}));
+  emit("allowed", with({{kFieldAllowed, 1 | (1 << 5)}, {kFieldPoison, 1}}));
+  emit("allowed_broadcast", with({{kFieldB, 1}, {kFieldAllowed, 1 | (5 << 2)}, {kFieldLayout, 2}}));
+  emit("allowed_all_false", with({{kFieldAllowed, 1 | (3 << 5)}, {kFieldLse, 1}}));
+  emit("bias", with({{kFieldBias, 1 | (1 << 5)}, {kFieldPoison, 3}}));
+  emit("bias_broadcast_large", with({{kFieldBias, 1 | (6 << 2) | (4 << 5)}}));
+  emit("bias_specials", with({{kFieldBias, 1 | (1 << 5)}, {kFieldSpecials, 3}}), {3, 0, 5, 2, 3, 0, 9, 4, 3, 0, 17, 3});
+  emit("alibi", with({{kFieldAlibi, 1}, {kFieldCausal, 1}, {kFieldSeed1, 3}}));
+  emit("sinks", with({{kFieldSinks, 1}, {kFieldLse, 1}, {kFieldAllowed, 1 | (2 << 5)}}));
+  for (int varlen = 5; varlen < 8; ++varlen) {
+    emit("varlen_" + std::to_string(varlen - 4),
+         with({{kFieldVarlen, varlen}, {kFieldSq, 20}, {kFieldSkv, 24}, {kFieldCausal, 1}, {kFieldLse, 1}}));
+  }
+  emit("backend_fused", with({{kFieldBackend, 1}, {kFieldLse, 1}}));
+  emit("backend_reference", with({{kFieldBackend, 2}, {kFieldLse, 1}}));
+  emit("magnitudes", with({{kFieldMagnitude, 128 | 3 | (3 << 2) | (2 << 4)}}));
+  emit("tiny_values", with({{kFieldMagnitude, 128 | 1 | (1 << 2) | (1 << 4)}}));
+  emit("specials_qkv", with({{kFieldSpecials, 4}}), {0, 0, 3, 4, 1, 0, 7, 2, 2, 0, 11, 5, 0, 0, 20, 7});
+  emit("poison_causal",
+       with({{kFieldCausal, 1}, {kFieldSq, 3}, {kFieldSkv, 16}, {kFieldWindowLeft, 3}, {kFieldPoison, 5}}));
+  for (int corruption = 1; corruption < kCorruptionCount; ++corruption) {
+    emit("corruption_" + std::to_string(corruption), with({{kFieldCorruption, 3 * (corruption - 1) + 2},
+                                                           {kFieldCorruptionParameter, corruption},
+                                                           {kFieldB, corruption % 2}}));
+  }
+  std::fprintf(stderr, "fuzz_attention: wrote %d seeds into %s\n", written, directory.c_str());
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  if (const char* directory = std::getenv("QKV_FUZZ_WRITE_SEEDS")) {
+    write_seeds(directory);
+    std::exit(0);
+  }
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  run(data, size);
+  return 0;
+}

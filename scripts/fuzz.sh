@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Runs the libFuzzer targets of fuzz/ (built by the `fuzz` preset: clang++, libFuzzer + ASan + UBSan).
+#
+#   bash scripts/fuzz.sh bounded        # CI: configure, build, replay the committed corpus, fuzz 120 s (one process)
+#   bash scripts/fuzz.sh long [seconds] # the long run: one process (one core), default 6 hours, corpus kept in
+#                                       # build/fuzz/corpus/attention (resumable: run it again to continue)
+#   bash scripts/fuzz.sh seeds          # regenerate the seed_* files of the committed corpus fuzz/corpus/attention/
+#
+# Environment: QKV_FUZZ_SECONDS overrides the bounded run's 120 s, QKV_FUZZ_CORPUS the corpus directory. A finding
+# is written to build/fuzz/artifacts/ and the script fails; reproduce it with `build/fuzz/fuzz/fuzz_attention <file>`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+mode=${1:-bounded}
+binary=build/fuzz/fuzz/fuzz_attention
+seeds=fuzz/corpus/attention
+work=${QKV_FUZZ_CORPUS:-build/fuzz/corpus/attention}  # the growing corpus (not committed)
+artifacts=build/fuzz/artifacts/
+
+build() {
+  cmake --preset fuzz >/dev/null
+  cmake --build build/fuzz --target fuzz_attention -j2
+}
+
+# The fuzzer reports leaks, aborts on the first finding and prints the stack (halt_on_error: UBSan findings too).
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:print_stacktrace=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+
+case $mode in
+  bounded)
+    build
+    mkdir -p "$work" "$artifacts"
+    # Replay every committed seed once (each option and corruption), then fuzz from them.
+    "$binary" -runs=0 "$seeds"
+    "$binary" -max_total_time="${QKV_FUZZ_SECONDS:-120}" -print_final_stats=1 -artifact_prefix="$artifacts" \
+      "$work" "$seeds"
+    ;;
+  long)
+    build
+    mkdir -p "$work" "$artifacts"
+    "$binary" -max_total_time="${2:-21600}" -print_final_stats=1 -artifact_prefix="$artifacts" "$work" "$seeds"
+    ;;
+  seeds)
+    build
+    mkdir -p "$seeds"
+    rm -f "$seeds"/seed_*  # the regression_* inputs (past findings) stay
+    QKV_FUZZ_WRITE_SEEDS="$seeds" "$binary"
+    ;;
+  *)
+    echo "usage: $0 bounded | long [seconds] | seeds" >&2
+    exit 2
+    ;;
+esac
