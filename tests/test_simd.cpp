@@ -36,7 +36,8 @@ std::vector<float> vector_exp(const std::vector<float>& x) {
   constexpr int L = Tag::kLanes;
   std::vector<float> y(x.size());
   std::size_t n = 0;
-  for (; n + L <= x.size(); n += L) qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp(Tag(), qkv::simd::load(Tag(), x.data() + n)));
+  for (; n + L <= x.size(); n += L)
+    qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp(Tag(), qkv::simd::load(Tag(), x.data() + n)));
   for (; n < x.size(); ++n) {
     float lane[L] = {};
     lane[0] = x[n];
@@ -71,11 +72,13 @@ TYPED_TEST(Simd, ExpWithinTwoUlpOnTheSoftmaxRange) {
 
 TYPED_TEST(Simd, ExpEdgeValues) {
   const float inf = std::numeric_limits<float>::infinity();
-  const std::vector<float> x = {-inf, -1e30f, -104.0f, -88.0f, -87.5f, 0.0f, -0.0f, std::nanf(""), 1.0f, 88.0f, 89.0f, inf};
+  const std::vector<float> x = {-inf,  -1e30f,        -104.0f, -88.0f, -87.5f, 0.0f,
+                                -0.0f, std::nanf(""), 1.0f,    88.0f,  89.0f,  inf};
   const auto y = vector_exp<TypeParam>(x);
   EXPECT_EQ(y[0], 0.0f);  // exactly 0 for −∞
   for (int n = 1; n <= 4; ++n) {
-    EXPECT_GE(y[static_cast<std::size_t>(n)], 0.0f) << x[static_cast<std::size_t>(n)];  // below the range: in [0, FLT_MIN]
+    EXPECT_GE(y[static_cast<std::size_t>(n)], 0.0f)
+        << x[static_cast<std::size_t>(n)];  // below the range: in [0, FLT_MIN]
     EXPECT_LE(y[static_cast<std::size_t>(n)], FLT_MIN) << x[static_cast<std::size_t>(n)];
   }
   EXPECT_EQ(y[5], 1.0f);
@@ -104,6 +107,12 @@ TYPED_TEST(Simd, ArithmeticAndReductionsMatchScalar) {
   EXPECT_EQ(reduce_max(Tag(), load(Tag(), a)), expected_max);
   EXPECT_NEAR(reduce_sum(Tag(), load(Tag(), b)), expected_sum, 1e-5f * std::fabs(expected_sum));
   EXPECT_EQ(reduce_sum(Tag(), zero(Tag())), 0.0f);
+  float sums[4], expected[4] = {0, 0, 0, 0};
+  for (int n = 0; n < L; ++n) expected[0] += a[n], expected[1] += b[n], expected[2] += c[n], expected[3] += float(n);
+  float ramp[L];
+  for (int n = 0; n < L; ++n) ramp[n] = float(n);
+  reduce_sum4(Tag(), load(Tag(), a), load(Tag(), b), load(Tag(), c), load(Tag(), ramp), sums);
+  for (int m = 0; m < 4; ++m) EXPECT_NEAR(sums[m], expected[m], 1e-5f * std::max(1.0f, std::fabs(expected[m]))) << m;
 }
 
 TYPED_TEST(Simd, PartialLoadsAndStoresTouchOnlyTheirLanes) {

@@ -57,12 +57,19 @@ inline float reduce_sum(Avx2Tag, __m256 v) noexcept {
   return _mm_cvtss_f32(s);
 }
 
+/// out[0..4) = the lane sums of a, b, c, d (a transposing reduction: three hadds and one add for four sums).
+inline void reduce_sum4(Avx2Tag, __m256 a, __m256 b, __m256 c, __m256 d, float* out) noexcept {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [Σa₀₋₃ Σb₀₋₃ Σc₀₋₃ Σd₀₋₃ | Σa₄₋₇ Σb₄₋₇ Σc₄₋₇ Σd₄₋₇]
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
 /// e^x lane-wise; see exp_constants.hpp for the method and the error bound.
 inline __m256 exp(Avx2Tag, __m256 x) noexcept {
   namespace c = exp_constants;
   const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(c::kMin)), _mm256_set1_ps(c::kMax));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(c::kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(c::kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(c::kLn2Hi), clamped);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(c::kLn2Lo), r);
   __m256 p = _mm256_set1_ps(c::kP0);

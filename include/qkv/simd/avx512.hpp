@@ -48,6 +48,14 @@ inline __m512 max(__m512 a, __m512 b) noexcept { return _mm512_max_ps(a, b); }
 inline float reduce_max(Avx512Tag, __m512 v) noexcept { return _mm512_reduce_max_ps(v); }
 inline float reduce_sum(Avx512Tag, __m512 v) noexcept { return _mm512_reduce_add_ps(v); }
 
+/// out[0..4) = the lane sums of a, b, c, d (halves added, then a transposing reduction of the 256-bit sums).
+inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float* out) noexcept {
+  const auto half = [](__m512 x) { return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1)); };
+  const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
 /// e^x lane-wise; see exp_constants.hpp. 2^n is applied with vscalefps, which also handles the range ends.
 inline __m512 exp(Avx512Tag, __m512 x) noexcept {
   namespace c = exp_constants;

@@ -2,8 +2,9 @@
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
-// reduce_sum, exp. Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units
-// built with different flags never share a definition.
+// reduce_sum, reduce_sum4 (four lane sums at once), exp; and prefetch (no tag: a hint with no result). Everything sits
+// in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different flags never share a
+// definition.
 #pragma once
 
 #include "qkv/config.hpp"
@@ -14,6 +15,16 @@
 namespace qkv {
 namespace simd {
 inline namespace QKV_ISA_NAME {
+
+/// Hints that the 64-byte line holding p will be read soon (a software prefetch into all cache levels). It never
+/// faults and has no effect on results; a no-op where the compiler offers no prefetch builtin.
+inline void prefetch(const float* p) noexcept {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
 
 #if defined(QKV_ISA_AVX512)
 using BestTag = Avx512Tag;
