@@ -382,7 +382,8 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
                  qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), o);
   g_counting = false;
   const std::size_t kv_bytes = k.size() * sizeof(float);
-  // Packed K (the size of K) plus per-thread scratch (a few hundred KiB): O(T·D), far below one T × T matrix.
+  // Packed K and V (each the size of K here: 2 MiB) plus per-thread scratch (a few hundred KiB): O(T·D), far below
+  // one T × T matrix.
   EXPECT_LE(g_allocated_bytes, kv_bytes + (std::size_t(4) << 20)) << "allocated " << g_allocated_bytes;
   EXPECT_LT(g_largest_allocation, std::size_t(T) * std::size_t(T) * sizeof(float) / 16);
   EXPECT_NEAR(out[0], 1.0f, 1e-6f);

@@ -41,6 +41,8 @@ inline float reduce_max(ScalarTag, float v) noexcept { return v; }
 inline float reduce_sum(ScalarTag, float v) noexcept { return v; }
 /// e^x with the C library's accuracy (≤ 1 ulp in glibc); 0 for −∞, NaN for NaN.
 inline float exp(ScalarTag, float x) noexcept { return std::exp(x); }
+/// 2^x with the C library's accuracy; 0 for −∞, NaN for NaN.
+inline float exp2(ScalarTag, float x) noexcept { return std::exp2(x); }
 
 }  // namespace QKV_ISA_NAME
 }  // namespace simd

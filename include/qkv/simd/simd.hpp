@@ -2,7 +2,7 @@
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
-// reduce_sum, exp. Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units
+// reduce_sum, exp, exp2. Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units
 // built with different flags never share a definition.
 #pragma once
 
