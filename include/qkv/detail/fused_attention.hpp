@@ -5,19 +5,24 @@
 //   for each (sequence b, kv head h_kv, query tile of rows [i0, i1)):            one task, threads over tasks
 //     stack the G query heads of the group: block row r = g·mq + (i − i0), M = G·mq rows (kBlockM at most
 //       unless G alone exceeds it), so every K/V tile is read once per group (GQA; gemma.cpp's head groups)
-//     Q_block ← q·scale (M × D, L1/L2 resident)
+//     Q_block ← q·scale·log2(e) (M × D, L1/L2 resident; q·scale when softcap, bias or ALiBi must see base e)
 //     for each key tile [j0, j1) of kBlockN keys inside MaskGeometry::key_range(i0, i1):  n_block_min/max
 //       skip it if the index rules hide it entirely (causal costs about half, a window O(T·w))
-//       acc_s = Q_block · K_tileᵀ          micro-kernel: kStrip rows × one panel of 2·lanes keys, K packed
-//                                          once per (sequence, kv head) as panels laid out [D][2·lanes]
-//       softcap / bias / ALiBi per element where present; the index mask only in boundary tiles
-//       row_max, row_sum: online softmax; acc_o is rescaled only when a row's max rose
-//       acc_o += P · V_tile                 micro-kernel: kStrip rows × 2 vectors of Dv, V read in place
-//     out = acc_o / row_sum (one division per row), lse = row_max + log(row_sum)
+//       for each strip of kStrip = 6 block rows (prefill; run_prefill_task):
+//         skip the tile if the strip cannot see it; cut its keys to the strip's own visible range
+//         acc_s = Q_strip · K_tileᵀ        micro-kernel: 6 rows × one panel of 2·lanes keys (12 accumulators
+//                                          on AVX2), K packed once per (sequence, kv head) as panels [D][2·lanes]
+//         softcap / bias / ALiBi per element where present; the index mask only in boundary tiles
+//         row_max, row_sum: online softmax in base 2 (exp2); acc_o rescaled only when a row's max rose
+//         acc_o += P · V_tile               micro-kernel: 6 rows × 2 vectors of Dv, V packed once per (sequence,
+//                                          kv head) in chunks [Dv / 2·lanes][key][2·lanes] (contiguous streams)
+//       (decoding, Sq·G ≤ kDecodeRows: run_task's own loop, K and V read in place)
+//     out = acc_o / row_sum (one division per row), lse = row_max·ln 2 + log(row_sum)
 //
-// Memory: per thread Q_block (M × D), acc_s (M × kBlockN), acc_o (M × Dv) floats, 64-byte aligned, allocated once
-// per call; packed K: the size of K. Nothing of size Sq × Skv. Traffic per task: K and V of the visible key range
-// once (from L2 when the tile fits: kBlockN = 256 keys × D = 128 floats = 128 KiB each), Q and out once.
+// Memory: per thread Q_block (M × D), acc_s (M × kBlockN; prefill uses kStrip × kBlockN of it, which stays in L1),
+// acc_o (M × Dv) floats, 64-byte aligned, allocated once per call; packed K and V: the size of K and V (prefill
+// sequences only). Nothing of size Sq × Skv. Traffic per task: K and V of the visible key range once from memory,
+// then from L2 for every strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each), Q and out once.
 //
 // Exactness rules kept here (DESIGN.md): hidden keys are selected away (−∞ before exp), never multiplied by zero;
 // in a tile where a key may be hidden and a value is NaN or ∞, P·V skips zero weights so a hidden slot cannot leak;
