@@ -237,7 +237,10 @@ Case random_case(std::mt19937& rng, const std::vector<Index>& dims, Index max_le
     for (auto& x : c.allowed) x = coin(0.8) ? 1 : 0;
     o.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(c.allowed.data()), {c.B, 1, 1, c.Skv});
   }
-  if (c.allowed.empty() && c.bias.empty() && o.key_lengths.empty() && coin(0.15)) {  // varlen batch of 3
+  // Whether the views are set, not whether their vectors are empty: with Sq·Skv = 0 the bias vector is empty but
+  // options.bias is still set (extents {1, Hq, 0, Skv}), and varlen rejects it.
+  const bool bias_or_allowed = !c.bias.empty() || !c.allowed.empty() || o.bias.extent(1) != 0 || o.allowed.extent(0) != 0;
+  if (!bias_or_allowed && o.key_lengths.empty() && coin(0.15)) {  // varlen batch of 3
     c.B = 1;
     o.cu_seqlens_q = {0};
     o.cu_seqlens_k = {0};
