@@ -239,7 +239,8 @@ Case random_case(std::mt19937& rng, const std::vector<Index>& dims, Index max_le
   }
   // Whether the views are set, not whether their vectors are empty: with Sq·Skv = 0 the bias vector is empty but
   // options.bias is still set (extents {1, Hq, 0, Skv}), and varlen rejects it.
-  const bool bias_or_allowed = !c.bias.empty() || !c.allowed.empty() || o.bias.extent(1) != 0 || o.allowed.extent(0) != 0;
+  const bool bias_or_allowed =
+      !c.bias.empty() || !c.allowed.empty() || o.bias.extent(1) != 0 || o.allowed.extent(0) != 0;
   if (!bias_or_allowed && o.key_lengths.empty() && coin(0.15)) {  // varlen batch of 3
     c.B = 1;
     o.cu_seqlens_q = {0};

@@ -52,7 +52,8 @@ std::vector<float> vector_exp2(const std::vector<float>& x) {
   constexpr int L = Tag::kLanes;
   std::vector<float> y(x.size());
   std::size_t n = 0;
-  for (; n + L <= x.size(); n += L) qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp2(Tag(), qkv::simd::load(Tag(), x.data() + n)));
+  for (; n + L <= x.size(); n += L)
+    qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp2(Tag(), qkv::simd::load(Tag(), x.data() + n)));
   for (; n < x.size(); ++n) {
     float lane[L] = {};
     lane[0] = x[n];
@@ -124,7 +125,8 @@ TYPED_TEST(Simd, Exp2WithinTwoUlpOnTheSoftmaxRange) {
 
 TYPED_TEST(Simd, Exp2EdgeValues) {
   const float inf = std::numeric_limits<float>::infinity();
-  const std::vector<float> x = {-inf, -1e30f, -150.0f, -127.0f, -126.75f, 0.0f, -0.0f, std::nanf(""), -3.0f, 127.0f, 128.0f, inf};
+  const std::vector<float> x = {-inf,  -1e30f,        -150.0f, -127.0f, -126.75f, 0.0f,
+                                -0.0f, std::nanf(""), -3.0f,   127.0f,  128.0f,   inf};
   const auto y = vector_exp2<TypeParam>(x);
   EXPECT_EQ(y[0], 0.0f);  // exactly 0 for −∞: a hidden key's weight
   for (int n = 1; n <= 4; ++n) {

@@ -272,9 +272,11 @@ inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stri
                      Index Dv) noexcept {
   constexpr Index kChunk = 2 * Tag::kLanes;
   const Index full = Dv / kChunk * kChunk;
-  for (Index c = 0; c < full; c += kChunk) pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
+  for (Index c = 0; c < full; c += kChunk)
+    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
   if (full < Dv) {
-    pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo, static_cast<int>(Dv - full));
+    pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
+                          static_cast<int>(Dv - full));
   }
 }
 
@@ -437,7 +439,8 @@ class FusedAttention {
       const Index vb = shape_.view_batch(b), row0 = shape_.kv_rows[s].begin;
       if (!decode_[s]) pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D, packed_.data() + packed_offset_[kv_index(b, h_kv)]);
       if (!decode_[s] && shape_.Dv > 0) {
-        pack_values<Tag>(&v_(vb, h_kv, row0, 0), v_.stride(2), skv, shape_.Dv, packed_v_.data() + packed_v_offset_[kv_index(b, h_kv)]);
+        pack_values<Tag>(&v_(vb, h_kv, row0, 0), v_.stride(2), skv, shape_.Dv,
+                         packed_v_.data() + packed_v_offset_[kv_index(b, h_kv)]);
       }
     }
   }
@@ -545,7 +548,7 @@ class FusedAttention {
         const TileVisibility visibility = geometry.classify(i_lo, i_hi, j0, j1);
         if (visibility == TileVisibility::hidden) continue;
         const KeyRange strip_keys = geometry.key_range(i_lo, i_hi);
-        const Index n = std::min(j1, strip_keys.end) - j0;                                     // keys [first, n)
+        const Index n = std::min(j1, strip_keys.end) - j0;  // keys [first, n)
         const Index first = (std::max(j0, strip_keys.begin) - j0) / kPanel * kPanel;
         if (n <= first) continue;
         const bool index_mask = visibility == TileVisibility::partial;
@@ -555,7 +558,8 @@ class FusedAttention {
           constexpr int kR = decltype(rows_constant)::value;
           // acc_s = Q_strip · K_tileᵀ from the packed panels.
           for (Index p = first / kPanel; p * kPanel < n; ++p) {
-            qk_panel<Tag, kR>(q_block + r0 * D, D, packed + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel, ldS);
+            qk_panel<Tag, kR>(q_block + r0 * D, D, packed + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel,
+                              ldS);
           }
 
           // Softcap, bias, ALiBi where present; the mask in boundary tiles or where `allowed` / `bias` decide.
@@ -829,10 +833,11 @@ class FusedAttention {
               for (Index c = 0; c < Dv; c += kPanel) {
                 const int width = static_cast<int>(std::min<Index>(kPanel, Dv - c));
                 if (width == kPanel) {
-                  pv_chunk<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c, Dv);
+                  pv_chunk<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c,
+                                   Dv);
                 } else {
-                  pv_chunk_tail<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c,
-                                        Dv, width);
+                  pv_chunk_tail<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys,
+                                        acc_o + r0 * Dv + c, Dv, width);
                 }
               }
             });
@@ -930,7 +935,7 @@ class FusedAttention {
   Index G_ = 1, rows_per_tile_ = 1;
   float scale_ = 1.0f;
   AlignedBuffer packed_, partial_out_, partial_lse_;
-  AlignedBuffer packed_v_;                  ///< V of prefill sequences, packed by pack_values
+  AlignedBuffer packed_v_;  ///< V of prefill sequences, packed by pack_values
   std::vector<Index> packed_offset_;
   std::vector<Index> packed_v_offset_;
   std::vector<char> decode_;  ///< per sequence: K read in place (decoding) rather than packed
