@@ -5,19 +5,24 @@
 //   for each (sequence b, kv head h_kv, query tile of rows [i0, i1)):            one task, threads over tasks
 //     stack the G query heads of the group: block row r = g·mq + (i − i0), M = G·mq rows (kBlockM at most
 //       unless G alone exceeds it), so every K/V tile is read once per group (GQA; gemma.cpp's head groups)
-//     Q_block ← q·scale (M × D, L1/L2 resident)
+//     Q_block ← q·scale·log2(e) (M × D, L1/L2 resident; q·scale when softcap, bias or ALiBi must see base e)
 //     for each key tile [j0, j1) of kBlockN keys inside MaskGeometry::key_range(i0, i1):  n_block_min/max
 //       skip it if the index rules hide it entirely (causal costs about half, a window O(T·w))
-//       acc_s = Q_block · K_tileᵀ          micro-kernel: kStrip rows × one panel of 2·lanes keys, K packed
-//                                          once per (sequence, kv head) as panels laid out [D][2·lanes]
-//       softcap / bias / ALiBi per element where present; the index mask only in boundary tiles
-//       row_max, row_sum: online softmax; acc_o is rescaled only when a row's max rose
-//       acc_o += P · V_tile                 micro-kernel: kStrip rows × 2 vectors of Dv, V read in place
-//     out = acc_o / row_sum (one division per row), lse = row_max + log(row_sum)
+//       for each strip of kStrip = 6 block rows (prefill; run_prefill_task):
+//         skip the tile if the strip cannot see it; cut its keys to the strip's own visible range
+//         acc_s = Q_strip · K_tileᵀ        micro-kernel: 6 rows × one panel of 2·lanes keys (12 accumulators
+//                                          on AVX2), K packed once per (sequence, kv head) as panels [D][2·lanes]
+//         softcap / bias / ALiBi per element where present; the index mask only in boundary tiles
+//         row_max, row_sum: online softmax in base 2 (exp2); acc_o rescaled only when a row's max rose
+//         acc_o += P · V_tile               micro-kernel: 6 rows × 2 vectors of Dv, V packed once per (sequence,
+//                                          kv head) in chunks [Dv / 2·lanes][key][2·lanes] (contiguous streams)
+//       (decoding, Sq·G ≤ kDecodeRows: run_task's own loop, K and V read in place)
+//     out = acc_o / row_sum (one division per row), lse = row_max·ln 2 + log(row_sum)
 //
-// Memory: per thread Q_block (M × D), acc_s (M × kBlockN), acc_o (M × Dv) floats, 64-byte aligned, allocated once
-// per call; packed K: the size of K. Nothing of size Sq × Skv. Traffic per task: K and V of the visible key range
-// once (from L2 when the tile fits: kBlockN = 256 keys × D = 128 floats = 128 KiB each), Q and out once.
+// Memory: per thread Q_block (M × D), acc_s (M × kBlockN; prefill uses kStrip × kBlockN of it, which stays in L1),
+// acc_o (M × Dv) floats, 64-byte aligned, allocated once per call; packed K and V: the size of K and V (prefill
+// sequences only). Nothing of size Sq × Skv. Traffic per task: K and V of the visible key range once from memory,
+// then from L2 for every strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each), Q and out once.
 //
 // Exactness rules kept here (DESIGN.md): hidden keys are selected away (−∞ before exp), never multiplied by zero;
 // in a tile where a key may be hidden and a value is NaN or ∞, P·V skips zero weights so a hidden slot cannot leak;
@@ -118,6 +123,23 @@ void pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noex
       } else {
         for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = 0.0f;
       }
+    }
+  }
+}
+
+/// Packs the first `skv` values (rows of Dv floats, `ld` apart) into column chunks of 2·lanes laid out
+/// [chunk][key][2·lanes], zero-padding the last chunk's columns past Dv: P·V then streams each chunk of a tile as one
+/// contiguous block (V read in place crosses a 4 KiB page every few keys, where the hardware prefetchers stop).
+template <class Tag>
+void pack_values(const float* v, Index ld, Index skv, Index Dv, float* packed) noexcept {
+  constexpr Index kChunk = 2 * Tag::kLanes;
+  for (Index c = 0; c < Dv; c += kChunk) {
+    const Index width = std::min(kChunk, Dv - c);
+    float* dst = packed + c * skv;
+    for (Index j = 0; j < skv; ++j) {
+      const float* src = v + j * ld + c;
+      for (Index d = 0; d < width; ++d) dst[j * kChunk + d] = src[d];
+      for (Index d = width; d < kChunk; ++d) dst[j * kChunk + d] = 0.0f;
     }
   }
 }
@@ -223,33 +245,40 @@ inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, In
   }
 }
 
-/// acc_o[r][c .. c + width) += Σ_j p[r][j] · v[j][c .. c + width) for R rows, width ≤ 2·lanes (tail by masks).
+/// acc_o[r][0 .. 2·lanes) += Σ_j p[r][j] · v[j][0 .. 2·lanes) for R rows (R ≤ kStrip): the P·V micro-kernel,
+/// 2R accumulators in registers. Kept apart from the tail kernel below: with both in one function clang spilled
+/// an accumulator of the full-width loop to the stack.
 template <class Tag, int R>
-inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
-                     int width) noexcept {
+inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   typename Tag::Vec acc[R][2];
-  if (width == 2 * L) {
-    QKV_UNROLL for (int r = 0; r < R; ++r) {
-      acc[r][0] = load(Tag(), o + r * ldo);
-      acc[r][1] = load(Tag(), o + r * ldo + L);
-    }
-    for (Index j = 0; j < keys; ++j) {
-      const auto v0 = load(Tag(), v + j * ldv);
-      const auto v1 = load(Tag(), v + j * ldv + L);
-      QKV_UNROLL for (int r = 0; r < R; ++r) {
-        const auto pb = set1(Tag(), p[r * ldp + j]);
-        acc[r][0] = fmadd(pb, v0, acc[r][0]);
-        acc[r][1] = fmadd(pb, v1, acc[r][1]);
-      }
-    }
-    QKV_UNROLL for (int r = 0; r < R; ++r) {
-      store(Tag(), o + r * ldo, acc[r][0]);
-      store(Tag(), o + r * ldo + L, acc[r][1]);
-    }
-    return;
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    acc[r][0] = load(Tag(), o + r * ldo);
+    acc[r][1] = load(Tag(), o + r * ldo + L);
   }
+  for (Index j = 0; j < keys; ++j) {
+    const auto v0 = load(Tag(), v + j * ldv);
+    const auto v1 = load(Tag(), v + j * ldv + L);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      const auto pb = set1(Tag(), p[r * ldp + j]);
+      acc[r][0] = fmadd(pb, v0, acc[r][0]);
+      acc[r][1] = fmadd(pb, v1, acc[r][1]);
+    }
+  }
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    store(Tag(), o + r * ldo, acc[r][0]);
+    store(Tag(), o + r * ldo + L, acc[r][1]);
+  }
+}
+
+/// pv_chunk for the last `width` < 2·lanes columns of Dv: masked loads and stores, nothing past the row is touched.
+template <class Tag, int R>
+inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                          int width) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  typename Tag::Vec acc[R][2];
   const int n0 = std::min(width, L), n1 = std::max(0, width - L);
   QKV_UNROLL for (int r = 0; r < R; ++r) {
     acc[r][0] = load_partial(Tag(), o + r * ldo, n0);
@@ -267,6 +296,22 @@ inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index
   QKV_UNROLL for (int r = 0; r < R; ++r) {
     store_partial(Tag(), o + r * ldo, acc[r][0], n0);
     store_partial(Tag(), o + r * ldo + L, acc[r][1], n1);
+  }
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
+/// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of 2·lanes
+/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail.
+template <class Tag, int R>
+inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
+                     Index Dv) noexcept {
+  constexpr Index kChunk = 2 * Tag::kLanes;
+  const Index full = Dv / kChunk * kChunk;
+  for (Index c = 0; c < full; c += kChunk)
+    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
+  if (full < Dv) {
+    pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
+                          static_cast<int>(Dv - full));
   }
 }
 
@@ -448,20 +493,25 @@ class FusedAttention {
     s.masks.resize(static_cast<std::size_t>(G_));
   }
 
-  /// Packs K once per (sequence, kv head), except for decoding sequences, which read K in place.
+  /// Packs K and V once per (sequence, kv head), except for decoding sequences, which read K and V in place.
   void pack_keys_and_scan_values() {
     const Index n = shape_.n_sequences * shape_.Hkv;
     packed_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
+    packed_v_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     decode_.assign(static_cast<std::size_t>(shape_.n_sequences), 0);
     for (Index b = 0; b < shape_.n_sequences; ++b) {
       const Index skv = shape_.key_counts[static_cast<std::size_t>(b)];
       const bool decode = shape_.q_rows[static_cast<std::size_t>(b)].length * G_ <= Tiles::kDecodeRows;
       decode_[static_cast<std::size_t>(b)] = decode ? 1 : 0;
       const Index floats = decode ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape_.D;
-      for (Index h = 0; h < shape_.Hkv; ++h)
+      const Index value_floats = decode ? 0 : skv * ((shape_.Dv + kPanel - 1) / kPanel * kPanel);
+      for (Index h = 0; h < shape_.Hkv; ++h) {
         packed_offset_[kv_index(b, h) + 1] = packed_offset_[kv_index(b, h)] + floats;
+        packed_v_offset_[kv_index(b, h) + 1] = packed_v_offset_[kv_index(b, h)] + value_floats;
+      }
     }
     packed_.resize(static_cast<std::size_t>(std::max<Index>(1, packed_offset_.back())));
+    packed_v_.resize(static_cast<std::size_t>(std::max<Index>(1, packed_v_offset_.back())));
 #if defined(_OPENMP)
 #pragma omp parallel if (n > 1 && packed_offset_.back() > (Index(1) << 16) && may_open_team())
 #endif
@@ -478,6 +528,10 @@ class FusedAttention {
         const Index vb = shape_.view_batch(b), row0 = shape_.kv_rows[s].begin;
         pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D,
                        packed_.data() + packed_offset_[kv_index(b, h_kv)]);
+        if (shape_.Dv > 0) {
+          pack_values<Tag>(&v_(vb, h_kv, row0, 0), v_.stride(2), skv, shape_.Dv,
+                           packed_v_.data() + packed_v_offset_[kv_index(b, h_kv)]);
+        }
       }
     }
   }
@@ -516,7 +570,214 @@ class FusedAttention {
     partial_lse_.resize(static_cast<std::size_t>(std::max<Index>(1, partial_count_ * M)));
   }
 
+  /// The prefill task (a sequence with Sq·G > kDecodeRows; K packed): key tiles outermost (the K and V tiles stay
+  /// in L2 across the block), then strips of kStrip stacked rows, each taken through Q·Kᵀ, the mask, the softmax
+  /// step and P·V while its acc_s rows (kStrip × kBlockN) and acc_o rows stay in L1. Scores are in base 2: Q is
+  /// pre-scaled by scale·log2(e), so the softmax uses exp2; with softcap, bias or ALiBi Q is scaled by `scale`
+  /// alone, the score finished in base e and then multiplied by log2(e). Per strip, key tiles the strip cannot see
+  /// are skipped and the strip's keys are cut to its own visible range (the diagonal strip stops at its last
+  /// visible key, a window's strip starts at its first).
+  void run_prefill_task(const FusedTask& t, FusedScratch& s) const {
+    using namespace simd;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr float kLog2e = 1.44269504088896341f;
+    constexpr double kLn2 = 0.69314718055994530942;
+    constexpr int L = Tag::kLanes;
+    const std::size_t seq = static_cast<std::size_t>(t.sequence);
+    const Index vb = shape_.view_batch(t.sequence);
+    const Index q_row0 = shape_.q_rows[seq].begin, kv_row0 = shape_.kv_rows[seq].begin;
+    const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
+    const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
+    const Index ldS = Tiles::kBlockN;
+    float* q_block = s.q_block.data();
+    float* acc_s = s.acc_s.data();
+    float* acc_o = s.acc_o.data();
+    float* row_max = s.row_max.data();
+    float* row_sum = s.row_sum.data();
+    for (Index g = 0; g < G_; ++g) {
+      s.masks[static_cast<std::size_t>(g)] = HeadMask<float>::make(options_, vb, t.h_kv * G_ + g, sq, skv, D);
+    }
+    const HeadMask<float>& first_mask = s.masks[0];
+    const MaskGeometry& geometry = first_mask.geometry;
+    const bool data_mask = first_mask.has_data_mask(), modifies = first_mask.modifies_scores();
+
+    // Q block, g-major (row r = g·rows + (i − i_begin)), pre-scaled (by scale·log2 e unless `finish` runs).
+    const float q_factor = modifies ? scale_ : scale_ * kLog2e;
+    for (Index g = 0; g < G_; ++g) {
+      for (Index ii = 0; ii < rows; ++ii) {
+        const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
+        float* dst = q_block + (g * rows + ii) * D;
+        for (Index d = 0; d < D; ++d) dst[d] = src[d] * q_factor;
+      }
+    }
+    std::fill(row_max, row_max + M, kNegInf);
+    std::fill(row_sum, row_sum + M, 0.0f);
+    std::fill(s.row_nan.begin(), s.row_nan.begin() + M, 0);
+    std::fill(acc_o, acc_o + M * Dv, 0.0f);
+
+    KeyRange range = geometry.key_range(t.i_begin, t.i_end);
+    range.begin = std::max(range.begin, t.key_begin);
+    range.end = std::min(range.end, t.key_end);
+    const float* packed = packed_.data() + packed_offset_[kv_index(t.sequence, t.h_kv)];
+    const float* packed_v = packed_v_.data() + packed_v_offset_[kv_index(t.sequence, t.h_kv)];
+    const Index ldv = v_.stride(2);
+
+    for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += Tiles::kBlockN) {
+      const Index j1 = std::min(j0 + Tiles::kBlockN, range.end);
+      if (geometry.classify(t.i_begin, t.i_end, j0, j1) == TileVisibility::hidden) continue;
+      const float* v_tile = Dv > 0 ? &v_(vb, t.h_kv, kv_row0 + j0, 0) : nullptr;
+      int v_finite = -1;  // whether the tile's values are all finite: decided once, when a strip first needs it
+
+      for (Index r0 = 0; r0 < M; r0 += kStrip) {
+        const Index R = std::min<Index>(kStrip, M - r0);
+        // The strip's query rows; a strip that straddles two heads of the group takes the task's whole range
+        // (a superset, so `hidden` and `full` stay true for the strip).
+        Index i_lo = t.i_begin, i_hi = t.i_end;
+        if (r0 / rows == (r0 + R - 1) / rows) {
+          i_lo = t.i_begin + r0 % rows;
+          i_hi = i_lo + R;
+        }
+        const TileVisibility visibility = geometry.classify(i_lo, i_hi, j0, j1);
+        if (visibility == TileVisibility::hidden) continue;
+        const KeyRange strip_keys = geometry.key_range(i_lo, i_hi);
+        const Index n = std::min(j1, strip_keys.end) - j0;  // keys [first, n)
+        const Index first = (std::max(j0, strip_keys.begin) - j0) / kPanel * kPanel;
+        if (n <= first) continue;
+        const bool index_mask = visibility == TileVisibility::partial;
+        float* s_strip = acc_s;  // R rows, ldS apart; columns [first, n) are this tile's keys [j0 + first, j0 + n)
+
+        dispatch_rows(R, [&](auto rows_constant) {
+          constexpr int kR = decltype(rows_constant)::value;
+          // acc_s = Q_strip · K_tileᵀ from the packed panels.
+          for (Index p = first / kPanel; p * kPanel < n; ++p) {
+            qk_panel<Tag, kR>(q_block + r0 * D, D, packed + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel,
+                              ldS);
+          }
+
+          // Softcap, bias, ALiBi where present; the mask in boundary tiles or where `allowed` / `bias` decide.
+          if (data_mask || modifies) {
+            for (Index rr = 0; rr < kR; ++rr) {
+              const Index r = r0 + rr;
+              const HeadMask<float>& mask = s.masks[static_cast<std::size_t>(r / rows)];
+              const Index i = t.i_begin + r % rows;
+              float* row = s_strip + rr * ldS;
+              for (Index jj = first; jj < n; ++jj) {
+                const Index j = j0 + jj;
+                if ((index_mask || data_mask) && !mask.visible(i, j)) {
+                  row[jj] = kNegInf;
+                } else if (modifies) {
+                  row[jj] = mask.finish(row[jj], i, j) * kLog2e;
+                }
+              }
+            }
+          } else if (index_mask) {
+            // Index rules only: query i sees its band and the global prefix (MaskGeometry::band, ::global).
+            for (Index rr = 0; rr < kR; ++rr) {
+              const Index i = t.i_begin + (r0 + rr) % rows;
+              const KeyRange band = geometry.band(i), global = geometry.global(i);
+              float* row = s_strip + rr * ldS;
+              for (Index jj = first; jj < n; ++jj) {
+                const Index j = j0 + jj;
+                const bool visible = (j >= band.begin && j < band.end) || j < global.end;
+                row[jj] = visible ? row[jj] : kNegInf;
+              }
+            }
+          }
+
+          // Online softmax in base 2: row_max and row_sum; acc_o is rescaled only when a row's max rose.
+          const Index n_vec = first + (n - first) / L * L;
+          for (Index rr = 0; rr < kR; ++rr) {
+            const Index r = r0 + rr;
+            float* row = s_strip + rr * ldS;
+            auto vmax = set1(Tag(), kNegInf);
+            for (Index jj = first; jj < n_vec; jj += L) vmax = max(vmax, load(Tag(), row + jj));
+            float tile_max = reduce_max(Tag(), vmax);
+            for (Index jj = n_vec; jj < n; ++jj) tile_max = std::max(tile_max, row[jj]);
+            const float old_max = row_max[r];
+            const float new_max = std::max(old_max, tile_max);
+            if (new_max == kNegInf) {  // nothing visible so far; a NaN here would be lost by max: look for it
+              for (Index jj = first; jj < n; ++jj) {
+                if (std::isnan(row[jj])) s.row_nan[static_cast<std::size_t>(r)] = 1;
+                row[jj] = 0.0f;
+              }
+              continue;
+            }
+            const auto vm = set1(Tag(), new_max);
+            auto vsum = zero(Tag());
+            for (Index jj = first; jj < n_vec; jj += L) {
+              const auto e = simd::exp2(Tag(), sub(load(Tag(), row + jj), vm));
+              store(Tag(), row + jj, e);
+              vsum = add(vsum, e);
+            }
+            float sum = reduce_sum(Tag(), vsum);
+            for (Index jj = n_vec; jj < n; ++jj) {
+              row[jj] = std::exp2(row[jj] - new_max);
+              sum += row[jj];
+            }
+            if (new_max > old_max && old_max != kNegInf) {
+              const float alpha = std::exp2(old_max - new_max);
+              row_sum[r] *= alpha;
+              float* o = acc_o + r * Dv;
+              const auto va = set1(Tag(), alpha);
+              const Index dv_vec = Dv / L * L;
+              for (Index d = 0; d < dv_vec; d += L) store(Tag(), o + d, mul(load(Tag(), o + d), va));
+              for (Index d = dv_vec; d < Dv; ++d) o[d] *= alpha;
+            }
+            row_sum[r] += sum;
+            row_max[r] = new_max;
+          }
+
+          // acc_o += P · V_tile, V read in place. Where some key may be hidden, zero weights meet V: safe only if the
+          // tile's values are finite; otherwise (NaN or ∞ stored there) zero weights are skipped.
+          if (Dv == 0) return;
+          const bool may_hide = index_mask || data_mask;
+          if (may_hide && v_finite < 0) v_finite = all_finite<Tag>(v_tile, j1 - j0, Dv, ldv) ? 1 : 0;
+          if (!may_hide || v_finite == 1) {
+            pv_strip<Tag, kR>(s_strip + first, ldS, packed_v + (j0 + first) * kPanel, skv * kPanel, n - first,
+                              acc_o + r0 * Dv, Dv, Dv);
+          } else {
+            for (Index rr = 0; rr < kR; ++rr) {
+              const float* p = s_strip + rr * ldS;
+              float* o = acc_o + (r0 + rr) * Dv;
+              for (Index jj = first; jj < n; ++jj) {
+                if (p[jj] == 0.0f) continue;
+                const float* value = v_tile + jj * ldv;
+                for (Index d = 0; d < Dv; ++d) o[d] += p[jj] * value[d];
+              }
+            }
+          }
+        });
+      }
+    }
+
+    // (out, lse) of every row, lse back in base e; the output directly, or the task's partial slot for split-K.
+    for (Index r = 0; r < M; ++r) {
+      const Index g = r / rows, i = t.i_begin + r % rows, h = t.h_kv * G_ + g;
+      float* o = acc_o + r * Dv;
+      float lse;
+      if (s.row_nan[static_cast<std::size_t>(r)]) {
+        lse = std::numeric_limits<float>::quiet_NaN();
+        for (Index d = 0; d < Dv; ++d) o[d] = lse;
+      } else if (row_sum[r] == 0.0f) {
+        lse = kNegInf;
+        for (Index d = 0; d < Dv; ++d) o[d] = 0.0f;
+      } else {
+        const float inverse = 1.0f / row_sum[r];
+        for (Index d = 0; d < Dv; ++d) o[d] *= inverse;
+        lse = static_cast<float>(double(row_max[r]) * kLn2 + std::log(double(row_sum[r])));
+      }
+      if (t.partial >= 0) {
+        const Index slot = t.partial * max_block_rows() + r;
+        std::copy(o, o + Dv, partial_out_.data() + slot * Dv);
+        partial_lse_.data()[slot] = lse;
+      } else {
+        write_row(vb, h, q_row0 + i, o, lse);
+      }
+    }
+  }
+
   void run_task(const FusedTask& t, FusedScratch& s) const {
+    if (!decode_[static_cast<std::size_t>(t.sequence)]) return run_prefill_task(t, s);  // prefill: packed K
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     constexpr int L = Tag::kLanes;
@@ -672,8 +933,14 @@ class FusedAttention {
             dispatch_rows(std::min<Index>(kStrip, M - r0), [&](auto rows_constant) {
               constexpr int R = decltype(rows_constant)::value;
               for (Index c = 0; c < Dv; c += kPanel) {
-                pv_chunk<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c, Dv,
-                                 static_cast<int>(std::min<Index>(kPanel, Dv - c)));
+                const int width = static_cast<int>(std::min<Index>(kPanel, Dv - c));
+                if (width == kPanel) {
+                  pv_chunk<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c,
+                                   Dv);
+                } else {
+                  pv_chunk_tail<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys,
+                                        acc_o + r0 * Dv + c, Dv, width);
+                }
               }
             });
           }
@@ -770,7 +1037,9 @@ class FusedAttention {
   Index G_ = 1, rows_per_tile_ = 1;
   float scale_ = 1.0f;
   AlignedBuffer packed_, partial_out_, partial_lse_;
+  AlignedBuffer packed_v_;  ///< V of prefill sequences, packed by pack_values
   std::vector<Index> packed_offset_;
+  std::vector<Index> packed_v_offset_;
   std::vector<char> decode_;  ///< per sequence: K read in place (decoding) rather than packed
   std::vector<FusedTask> tasks_;
   Index partial_count_ = 0;

@@ -87,6 +87,24 @@ inline __m256 exp(Avx2Tag, __m256 x) noexcept {
   return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
 }
 
+/// 2^x lane-wise; see exp2_constants in exp_constants.hpp for the method, the range and the error bound.
+/// The clamps take x second (max/min return their second operand when either is NaN), so NaN passes through.
+inline __m256 exp2(Avx2Tag, __m256 x) noexcept {
+  namespace c = exp2_constants;
+  const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(c::kMax), _mm256_max_ps(_mm256_set1_ps(c::kMin), x));
+  const __m256 n = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(clamped, n);
+  __m256 p = _mm256_set1_ps(c::kQ0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kQ1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kQ2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kQ3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kQ4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kQ5));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
 }  // namespace QKV_ISA_NAME
 }  // namespace simd
 }  // namespace qkv

@@ -45,6 +45,8 @@ inline void reduce_sum4(ScalarTag, float a, float b, float c, float d, float* ou
 }
 /// e^x with the C library's accuracy (≤ 1 ulp in glibc); 0 for −∞, NaN for NaN.
 inline float exp(ScalarTag, float x) noexcept { return std::exp(x); }
+/// 2^x with the C library's accuracy; 0 for −∞, NaN for NaN.
+inline float exp2(ScalarTag, float x) noexcept { return std::exp2(x); }
 
 }  // namespace QKV_ISA_NAME
 }  // namespace simd

@@ -2,9 +2,9 @@
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
-// reduce_sum, reduce_sum4 (four lane sums at once), exp; and prefetch (no tag: a hint with no result). Everything sits
-// in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different flags never share a
-// definition.
+// reduce_sum, reduce_sum4 (four lane sums at once), exp, exp2; and prefetch (no tag: a hint with no result).
+// Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different
+// flags never share a definition.
 #pragma once
 
 #include "qkv/config.hpp"
