@@ -97,7 +97,6 @@ struct FusedTiles {
   static constexpr Index kBlockM = 96;        ///< stacked query rows per task (a multiple of kStrip)
   static constexpr Index kBlockN = 256;       ///< keys per tile (a multiple of every kPanel)
   static constexpr Index kSplitKeys = 2048;   ///< keys per split-K chunk when decoding
-  static constexpr Index kPvKeys = 32;        ///< keys per P·V sub-block: its V rows stay in L1 across Dv chunks
   static constexpr Index kDecodeRows = 16;    ///< a sequence with Sq·G ≤ this reads K in place (no packing)
   static constexpr Index kDecodeKeys = 1024;  ///< keys per decoding block: all of its K, then all of its V
   static constexpr Index kDecodeSub = 64;     ///< keys per row-group pass when a decoding block has > 4 rows
@@ -776,8 +775,10 @@ class FusedAttention {
     }
   }
 
+  /// One task: prefill sequences go to run_prefill_task; decoding sequences (Sq·G ≤ kDecodeRows) run here.
   void run_task(const FusedTask& t, FusedScratch& s) const {
-    if (!decode_[static_cast<std::size_t>(t.sequence)]) return run_prefill_task(t, s);  // prefill: packed K
+    if (!decode_[static_cast<std::size_t>(t.sequence)]) return run_prefill_task(t, s);  // prefill: packed K and V
+    // Decoding (Sq·G ≤ kDecodeRows): K and V read in place.
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     constexpr int L = Tag::kLanes;
@@ -786,10 +787,9 @@ class FusedAttention {
     const Index q_row0 = shape_.q_rows[seq].begin, kv_row0 = shape_.kv_rows[seq].begin;
     const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
-    const bool decode = decode_[seq] != 0;
-    // Decoding blocks are longer (kDecodeKeys): one pass over their K, the softmax, then one pass over their V, so
+    // Decoding blocks are long (kDecodeKeys): one pass over their K, the softmax, then one pass over their V, so
     // each pass streams a single array (alternating short K and V blocks stalls the hardware prefetchers).
-    const Index block = decode ? Tiles::kDecodeKeys : Tiles::kBlockN, ldS = block;
+    const Index block = Tiles::kDecodeKeys, ldS = block;
     float* q_block = s.q_block.data();
     float* acc_s = s.acc_s.data();
     float* acc_o = s.acc_o.data();
@@ -818,7 +818,6 @@ class FusedAttention {
     KeyRange range = geometry.key_range(t.i_begin, t.i_end);
     range.begin = std::max(range.begin, t.key_begin);
     range.end = std::min(range.end, t.key_end);
-    const float* packed = packed_.data() + packed_offset_[kv_index(t.sequence, t.h_kv)];
     const Index ldv = v_.stride(2), ldk = k_.stride(2);
     // With more than 4 rows, the row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks.
     const Index sub_keys = M <= 4 ? block : Tiles::kDecodeSub;
@@ -827,28 +826,16 @@ class FusedAttention {
       const Index j1 = std::min(j0 + block, range.end);
       const TileVisibility visibility = geometry.classify(t.i_begin, t.i_end, j0, j1);
       if (visibility == TileVisibility::hidden) continue;
-      const Index n = j1 - j0, panels = (n + kPanel - 1) / kPanel;
+      const Index n = j1 - j0;
 
-      // acc_s = Q_block · K_tileᵀ: from the packed panels, or from K in place when decoding.
-      if (decode) {
-        const float* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
-        for (Index jb = 0; jb < n; jb += sub_keys) {
-          const Index keys = std::min(sub_keys, n - jb);
-          for (Index r0 = 0; r0 < M; r0 += 4) {
-            dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
-              constexpr int R = std::min(4, decltype(rows_constant)::value);
-              qk_in_place<Tag, R>(q_block + r0 * D, D, k_tile + jb * ldk, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
-            });
-          }
-        }
-      } else {
-        for (Index r0 = 0; r0 < M; r0 += kStrip) {
-          dispatch_rows(std::min<Index>(kStrip, M - r0), [&](auto rows_constant) {
-            constexpr int R = decltype(rows_constant)::value;
-            for (Index p = 0; p < panels; ++p) {
-              qk_panel<Tag, R>(q_block + r0 * D, D, packed + (j0 / kPanel + p) * D * kPanel, D,
-                               acc_s + r0 * ldS + p * kPanel, ldS);
-            }
+      // acc_s = Q_block · K_blockᵀ, K read in place.
+      const float* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
+      for (Index jb = 0; jb < n; jb += sub_keys) {
+        const Index keys = std::min(sub_keys, n - jb);
+        for (Index r0 = 0; r0 < M; r0 += 4) {
+          dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
+            constexpr int R = std::min(4, decltype(rows_constant)::value);
+            qk_in_place<Tag, R>(q_block + r0 * D, D, k_tile + jb * ldk, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
           });
         }
       }
@@ -916,32 +903,13 @@ class FusedAttention {
       // A tile where some key may be hidden from some row multiplies zero weights by V: safe only if the tile's
       // values are finite. Otherwise (NaN or ∞ stored there) zero weights are skipped, so hidden slots are not read.
       const bool may_hide = index_mask || data_mask;
-      if (decode && (!may_hide || all_finite<Tag>(v_tile, n, Dv, ldv))) {
+      if (!may_hide || all_finite<Tag>(v_tile, n, Dv, ldv)) {
         for (Index jb = 0; jb < n; jb += sub_keys) {
           const Index keys = std::min(sub_keys, n - jb);
           for (Index r0 = 0; r0 < M; r0 += 4) {
             dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
               constexpr int R = std::min(4, decltype(rows_constant)::value);
               pv_in_place<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv, ldv, keys, acc_o + r0 * Dv, Dv, Dv);
-            });
-          }
-        }
-      } else if (!may_hide || all_finite<Tag>(v_tile, n, Dv, ldv)) {
-        for (Index jb = 0; jb < n; jb += Tiles::kPvKeys) {
-          const Index keys = std::min<Index>(Tiles::kPvKeys, n - jb);
-          for (Index r0 = 0; r0 < M; r0 += kStrip) {
-            dispatch_rows(std::min<Index>(kStrip, M - r0), [&](auto rows_constant) {
-              constexpr int R = decltype(rows_constant)::value;
-              for (Index c = 0; c < Dv; c += kPanel) {
-                const int width = static_cast<int>(std::min<Index>(kPanel, Dv - c));
-                if (width == kPanel) {
-                  pv_chunk<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys, acc_o + r0 * Dv + c,
-                                   Dv);
-                } else {
-                  pv_chunk_tail<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv + c, ldv, keys,
-                                        acc_o + r0 * Dv + c, Dv, width);
-                }
-              }
             });
           }
         }
