@@ -375,6 +375,22 @@ inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, In
   }
 }
 
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `n_rows` rows over the keys of non-zero weight only: the
+/// P·V of a tile whose values hold NaN or ∞ where some key may be hidden, so that a hidden slot (weight 0) is never
+/// read into the arithmetic (DESIGN.md: select, never multiply by zero). Scalar: such tiles are rare.
+inline void pv_skip_zero_weights(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                                 Index Dv, Index n_rows) noexcept {
+  for (Index r = 0; r < n_rows; ++r) {
+    const float* weights = p + r * ldp;
+    float* out = o + r * ldo;
+    for (Index j = 0; j < keys; ++j) {
+      if (weights[j] == 0.0f) continue;
+      const float* value = v + j * ldv;
+      for (Index d = 0; d < Dv; ++d) out[d] += weights[j] * value[d];
+    }
+  }
+}
+
 /// Whether the first n floats of `rows` rows (`ld` apart) are all finite: Σ x·0 is 0 for finite x and NaN
 /// otherwise. Vectorized; reads exactly those floats.
 template <class Tag>
@@ -580,7 +596,6 @@ class FusedAttention {
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     constexpr float kLog2e = 1.44269504088896341f;
-    constexpr double kLn2 = 0.69314718055994530942;
     constexpr int L = Tag::kLanes;
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence);
@@ -735,44 +750,15 @@ class FusedAttention {
             pv_strip<Tag, kR>(s_strip + first, ldS, packed_v + (j0 + first) * kPanel, skv * kPanel, n - first,
                               acc_o + r0 * Dv, Dv, Dv);
           } else {
-            for (Index rr = 0; rr < kR; ++rr) {
-              const float* p = s_strip + rr * ldS;
-              float* o = acc_o + (r0 + rr) * Dv;
-              for (Index jj = first; jj < n; ++jj) {
-                if (p[jj] == 0.0f) continue;
-                const float* value = v_tile + jj * ldv;
-                for (Index d = 0; d < Dv; ++d) o[d] += p[jj] * value[d];
-              }
-            }
+            pv_skip_zero_weights(s_strip + first, ldS, v_tile + first * ldv, ldv, n - first, acc_o + r0 * Dv, Dv, Dv,
+                                 kR);
           }
         });
       }
     }
 
     // (out, lse) of every row, lse back in base e; the output directly, or the task's partial slot for split-K.
-    for (Index r = 0; r < M; ++r) {
-      const Index g = r / rows, i = t.i_begin + r % rows, h = t.h_kv * G_ + g;
-      float* o = acc_o + r * Dv;
-      float lse;
-      if (s.row_nan[static_cast<std::size_t>(r)]) {
-        lse = std::numeric_limits<float>::quiet_NaN();
-        for (Index d = 0; d < Dv; ++d) o[d] = lse;
-      } else if (row_sum[r] == 0.0f) {
-        lse = kNegInf;
-        for (Index d = 0; d < Dv; ++d) o[d] = 0.0f;
-      } else {
-        const float inverse = 1.0f / row_sum[r];
-        for (Index d = 0; d < Dv; ++d) o[d] *= inverse;
-        lse = static_cast<float>(double(row_max[r]) * kLn2 + std::log(double(row_sum[r])));
-      }
-      if (t.partial >= 0) {
-        const Index slot = t.partial * max_block_rows() + r;
-        std::copy(o, o + Dv, partial_out_.data() + slot * Dv);
-        partial_lse_.data()[slot] = lse;
-      } else {
-        write_row(vb, h, q_row0 + i, o, lse);
-      }
-    }
+    finish_rows(t, s, /*base2=*/true);
   }
 
   /// One task: prefill sequences go to run_prefill_task; decoding sequences (Sq·G ≤ kDecodeRows) run here.
@@ -915,19 +901,26 @@ class FusedAttention {
         }
       } else {
         // Some value of this tile is NaN or ∞: skip zero weights so hidden slots are never read.
-        for (Index r = 0; r < M; ++r) {
-          const float* p = acc_s + r * ldS;
-          float* o = acc_o + r * Dv;
-          for (Index jj = 0; jj < n; ++jj) {
-            if (p[jj] == 0.0f) continue;
-            const float* value = v_tile + jj * ldv;
-            for (Index d = 0; d < Dv; ++d) o[d] += p[jj] * value[d];
-          }
-        }
+        pv_skip_zero_weights(acc_s, ldS, v_tile, ldv, n, acc_o, Dv, Dv, M);
       }
     }
 
     // (out, lse) of every row; the output directly, or the task's partial slot for split-K.
+    finish_rows(t, s, /*base2=*/false);
+  }
+
+  /// The end of a task: out = acc_o / row_sum (one division per row) and lse = max + log(sum) (max in base 2 when
+  /// `base2`, as the prefill softmax keeps it), zeros and lse −∞ for a row that saw no key, NaN for a row with NaN
+  /// among its visible scores; written to the output, or to the task's partial slot for split-K.
+  void finish_rows(const FusedTask& t, FusedScratch& s, bool base2) const {
+    constexpr double kLn2 = 0.69314718055994530942;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const std::size_t seq = static_cast<std::size_t>(t.sequence);
+    const Index vb = shape_.view_batch(t.sequence), q_row0 = shape_.q_rows[seq].begin;
+    const Index Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
+    float* acc_o = s.acc_o.data();
+    const float* row_max = s.row_max.data();
+    const float* row_sum = s.row_sum.data();
     for (Index r = 0; r < M; ++r) {
       const Index g = r / rows, i = t.i_begin + r % rows, h = t.h_kv * G_ + g;
       float* o = acc_o + r * Dv;
@@ -941,7 +934,8 @@ class FusedAttention {
       } else {
         const float inverse = 1.0f / row_sum[r];
         for (Index d = 0; d < Dv; ++d) o[d] *= inverse;
-        lse = row_max[r] + std::log(row_sum[r]);
+        lse = base2 ? static_cast<float>(double(row_max[r]) * kLn2 + std::log(double(row_sum[r])))
+                    : row_max[r] + std::log(row_sum[r]);
       }
       if (t.partial >= 0) {
         const Index slot = t.partial * max_block_rows() + r;
