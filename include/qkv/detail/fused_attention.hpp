@@ -377,7 +377,9 @@ inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, In
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `n_rows` rows over the keys of non-zero weight only: the
 /// P·V of a tile whose values hold NaN or ∞ where some key may be hidden, so that a hidden slot (weight 0) is never
-/// read into the arithmetic (DESIGN.md: select, never multiply by zero). Scalar: such tiles are rare.
+/// read into the arithmetic (DESIGN.md: select, never multiply by zero). Scalar: such tiles are rare. One fused
+/// multiply-add per key, in key order, as the vector kernels do, so the rows a poisoned slot cannot reach get the same
+/// bits as without the poison in every build (a plain `+= a·b` is contracted to an FMA or not depending on -march).
 inline void pv_skip_zero_weights(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
                                  Index Dv, Index n_rows) noexcept {
   for (Index r = 0; r < n_rows; ++r) {
@@ -386,7 +388,7 @@ inline void pv_skip_zero_weights(const float* p, Index ldp, const float* v, Inde
     for (Index j = 0; j < keys; ++j) {
       if (weights[j] == 0.0f) continue;
       const float* value = v + j * ldv;
-      for (Index d = 0; d < Dv; ++d) out[d] += weights[j] * value[d];
+      for (Index d = 0; d < Dv; ++d) out[d] = std::fma(weights[j], value[d], out[d]);
     }
   }
 }
