@@ -601,8 +601,7 @@ class FusedAttention {
     constexpr int L = Tag::kLanes;
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence);
-    const Index q_row0 = shape_.q_rows[seq].begin, kv_row0 = shape_.kv_rows[seq].begin;
-    const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
+    const Index kv_row0 = shape_.kv_rows[seq].begin, skv = shape_.key_counts[seq];
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
     const Index ldS = Tiles::kBlockN;
     float* q_block = s.q_block.data();
@@ -610,30 +609,10 @@ class FusedAttention {
     float* acc_o = s.acc_o.data();
     float* row_max = s.row_max.data();
     float* row_sum = s.row_sum.data();
-    for (Index g = 0; g < G_; ++g) {
-      s.masks[static_cast<std::size_t>(g)] = HeadMask<float>::make(options_, vb, t.h_kv * G_ + g, sq, skv, D);
-    }
+    const KeyRange range = begin_task(t, s, /*base2=*/true);
     const HeadMask<float>& first_mask = s.masks[0];
     const MaskGeometry& geometry = first_mask.geometry;
     const bool data_mask = first_mask.has_data_mask(), modifies = first_mask.modifies_scores();
-
-    // Q block, g-major (row r = g·rows + (i − i_begin)), pre-scaled (by scale·log2 e unless `finish` runs).
-    const float q_factor = modifies ? scale_ : scale_ * kLog2e;
-    for (Index g = 0; g < G_; ++g) {
-      for (Index ii = 0; ii < rows; ++ii) {
-        const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
-        float* dst = q_block + (g * rows + ii) * D;
-        for (Index d = 0; d < D; ++d) dst[d] = src[d] * q_factor;
-      }
-    }
-    std::fill(row_max, row_max + M, kNegInf);
-    std::fill(row_sum, row_sum + M, 0.0f);
-    std::fill(s.row_nan.begin(), s.row_nan.begin() + M, 0);
-    std::fill(acc_o, acc_o + M * Dv, 0.0f);
-
-    KeyRange range = geometry.key_range(t.i_begin, t.i_end);
-    range.begin = std::max(range.begin, t.key_begin);
-    range.end = std::min(range.end, t.key_end);
     const float* packed = packed_.data() + packed_offset_[kv_index(t.sequence, t.h_kv)];
     const float* packed_v = packed_v_.data() + packed_v_offset_[kv_index(t.sequence, t.h_kv)];
     const Index ldv = v_.stride(2);
@@ -772,8 +751,7 @@ class FusedAttention {
     constexpr int L = Tag::kLanes;
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence);
-    const Index q_row0 = shape_.q_rows[seq].begin, kv_row0 = shape_.kv_rows[seq].begin;
-    const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
+    const Index kv_row0 = shape_.kv_rows[seq].begin;
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
     // Decoding blocks are long (kDecodeKeys): one pass over their K, the softmax, then one pass over their V, so
     // each pass streams a single array (alternating short K and V blocks stalls the hardware prefetchers).
@@ -783,29 +761,10 @@ class FusedAttention {
     float* acc_o = s.acc_o.data();
     float* row_max = s.row_max.data();
     float* row_sum = s.row_sum.data();
-    for (Index g = 0; g < G_; ++g) {
-      s.masks[static_cast<std::size_t>(g)] = HeadMask<float>::make(options_, vb, t.h_kv * G_ + g, sq, skv, D);
-    }
+    const KeyRange range = begin_task(t, s, /*base2=*/false);
     const HeadMask<float>& first_mask = s.masks[0];
     const MaskGeometry& geometry = first_mask.geometry;
     const bool data_mask = first_mask.has_data_mask(), modifies = first_mask.modifies_scores();
-
-    // Q block, g-major (row r = g·rows + (i − i_begin)), pre-scaled.
-    for (Index g = 0; g < G_; ++g) {
-      for (Index ii = 0; ii < rows; ++ii) {
-        const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
-        float* dst = q_block + (g * rows + ii) * D;
-        for (Index d = 0; d < D; ++d) dst[d] = src[d] * scale_;
-      }
-    }
-    std::fill(row_max, row_max + M, kNegInf);
-    std::fill(row_sum, row_sum + M, 0.0f);
-    std::fill(s.row_nan.begin(), s.row_nan.begin() + M, 0);
-    std::fill(acc_o, acc_o + M * Dv, 0.0f);
-
-    KeyRange range = geometry.key_range(t.i_begin, t.i_end);
-    range.begin = std::max(range.begin, t.key_begin);
-    range.end = std::min(range.end, t.key_end);
     const Index ldv = v_.stride(2), ldk = k_.stride(2);
     // With more than 4 rows, the row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks.
     const Index sub_keys = M <= 4 ? block : Tiles::kDecodeSub;
@@ -909,6 +868,37 @@ class FusedAttention {
 
     // (out, lse) of every row; the output directly, or the task's partial slot for split-K.
     finish_rows(t, s, /*base2=*/false);
+  }
+
+  /// The start of a task: the group's head masks in s.masks, the Q block g-major (row r = g·rows + (i − i_begin))
+  /// pre-scaled (by scale·log2 e for a `base2` softmax unless the masks' `finish` runs on base-e scores, else by
+  /// scale), row state and acc_o cleared; returns the task's key range (mask geometry ∩ split-K chunk).
+  KeyRange begin_task(const FusedTask& t, FusedScratch& s, bool base2) const {
+    constexpr float kLog2e = 1.44269504088896341f;
+    const std::size_t seq = static_cast<std::size_t>(t.sequence);
+    const Index vb = shape_.view_batch(t.sequence), q_row0 = shape_.q_rows[seq].begin;
+    const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
+    const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
+    for (Index g = 0; g < G_; ++g) {
+      s.masks[static_cast<std::size_t>(g)] = HeadMask<float>::make(options_, vb, t.h_kv * G_ + g, sq, skv, D);
+    }
+    const float q_factor = base2 && !s.masks[0].modifies_scores() ? scale_ * kLog2e : scale_;
+    float* q_block = s.q_block.data();
+    for (Index g = 0; g < G_; ++g) {
+      for (Index ii = 0; ii < rows; ++ii) {
+        const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
+        float* dst = q_block + (g * rows + ii) * D;
+        for (Index d = 0; d < D; ++d) dst[d] = src[d] * q_factor;
+      }
+    }
+    std::fill(s.row_max.data(), s.row_max.data() + M, -std::numeric_limits<float>::infinity());
+    std::fill(s.row_sum.data(), s.row_sum.data() + M, 0.0f);
+    std::fill(s.row_nan.begin(), s.row_nan.begin() + M, 0);
+    std::fill(s.acc_o.data(), s.acc_o.data() + M * Dv, 0.0f);
+    KeyRange range = s.masks[0].geometry.key_range(t.i_begin, t.i_end);
+    range.begin = std::max(range.begin, t.key_begin);
+    range.end = std::min(range.end, t.key_end);
+    return range;
   }
 
   /// The end of a task: out = acc_o / row_sum (one division per row) and lse = max + log(sum) (max in base 2 when
