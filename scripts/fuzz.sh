@@ -6,7 +6,9 @@
 #                                       # build/fuzz/corpus/attention (resumable: run it again to continue)
 #   bash scripts/fuzz.sh seeds          # regenerate the seed_* files of the committed corpus fuzz/corpus/attention/
 #
-# Environment: QKV_FUZZ_SECONDS overrides the bounded run's 120 s, QKV_FUZZ_CORPUS the corpus directory. A finding
+# Environment: QKV_FUZZ_SECONDS overrides the bounded run's 120 s, QKV_FUZZ_CORPUS the corpus directory; for the
+# long run, QKV_FUZZ_JOBS=N runs N processes sharing the corpus (logs in build/fuzz/fuzz-<i>.log) and
+# QKV_FUZZ_RUNS=n stops each process after n executions. A finding
 # is written to build/fuzz/artifacts/ and the script fails; reproduce it with `build/fuzz/fuzz/fuzz_attention <file>`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -38,7 +40,18 @@ case $mode in
   long)
     build
     mkdir -p "$work" "$artifacts"
-    "$binary" -max_total_time="${2:-21600}" -print_final_stats=1 -artifact_prefix="$artifacts" "$work" "$seeds"
+    extra=()
+    if [[ -n ${QKV_FUZZ_RUNS:-} ]]; then extra+=(-runs="$QKV_FUZZ_RUNS"); fi
+    jobs=${QKV_FUZZ_JOBS:-1}
+    if ((jobs > 1)); then
+      # libFuzzer's -jobs: N independent processes that reload the shared corpus directory; run from build/fuzz so
+      # their fuzz-<i>.log files land there.
+      work=$(realpath "$work") seeds=$(realpath "$seeds") artifacts=$(realpath "$artifacts")/ binary=$(realpath "$binary")
+      cd build/fuzz
+      extra+=(-jobs="$jobs" -workers="$jobs")
+    fi
+    "$binary" -max_total_time="${2:-21600}" -print_final_stats=1 -artifact_prefix="$artifacts" "${extra[@]}" \
+      "$work" "$seeds"
     ;;
   seeds)
     build
