@@ -8,10 +8,17 @@
 // reference"), a naive materialized Eigen attention (S = Q·Kᵀ, softmax, P·V per head, float), the qkv reference
 // path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
 // Quote ratios from one run (bench/README.md), never absolute times: the machines are shared.
+// Memory: alloc_MiB is what one fused call allocates (operator new, counted below; all of it lives until the call
+// returns, so it is the call's extra memory), scores_MiB the T × T score matrix the naive baseline holds,
+// inputs_MiB what q, k, v and out occupy.
+// scripts/plot_bench.py turns the JSON output into a plot and prints the complexity slopes.
 #include <benchmark/benchmark.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,9 +30,50 @@
 #include "qkv/qkv.hpp"
 #include "qkv/simd/simd.hpp"
 
+// GCC sees the replaced operator new / delete below inlined into callers and mistakes free() of memory from
+// malloc() for a mismatched pair; the pair is matched by construction.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+namespace {
+// Bytes passed to operator new while g_counting is set (one call of the benchmarked function).
+std::atomic<bool> g_counting{false};
+std::atomic<std::size_t> g_allocated_bytes{0};
+void count(std::size_t bytes) {
+  if (g_counting.load(std::memory_order_relaxed)) g_allocated_bytes += bytes;
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  count(bytes);
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void* operator new(std::size_t bytes, std::align_val_t alignment) {
+  count(bytes);
+  const std::size_t a = static_cast<std::size_t>(alignment);
+  if (void* p = std::aligned_alloc(a, (std::max<std::size_t>(bytes, 1) + a - 1) / a * a)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
 namespace {
 
 using qkv::Index;
+
+/// MiB that `call()` allocates (run once, outside the timed loop).
+template <class F>
+double allocated_mib(F&& call) {
+  g_allocated_bytes = 0;
+  g_counting = true;
+  call();
+  g_counting = false;
+  return double(g_allocated_bytes.load()) / (1024.0 * 1024.0);
+}
 
 std::vector<float> random_vector(std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
@@ -64,14 +112,20 @@ void BM_FusedPrefill(benchmark::State& state) {
   qkv::AttentionOptions<float> options;
   options.causal = causal;
   options.backend = qkv::Backend::fused;
-  for (auto _ : state) {
+  const auto call = [&] {
     qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
                    qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
+  };
+  const double alloc_mib = allocated_mib(call);
+  for (auto _ : state) {
+    call();
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
   const double flops = 2.0 * double(D + D) * visible_pairs(T, T, causal) * double(H);
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["alloc_MiB"] = alloc_mib;
+  state.counters["inputs_MiB"] = 4.0 * double(H * T * D) * sizeof(float) / (1024.0 * 1024.0);
   state.SetLabel(label("fused"));
   set_threads(1);
 }
@@ -102,9 +156,9 @@ void BM_NaiveEigenPrefill(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = 8;
   using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)), v(std::size_t(H), M::Random(T, D));
-  M s(T, T), out(T, D);
+  M s, out(T, D);
   const float scale = 1.0f / std::sqrt(float(D));
-  for (auto _ : state) {
+  const auto call = [&] {
     for (Index h = 0; h < H; ++h) {
       s.noalias() = (q[std::size_t(h)] * scale) * k[std::size_t(h)].transpose();
       s = (s.colwise() - s.rowwise().maxCoeff()).array().exp().matrix();
@@ -112,9 +166,13 @@ void BM_NaiveEigenPrefill(benchmark::State& state) {
       out.noalias() = s * v[std::size_t(h)];
       benchmark::DoNotOptimize(out.data());
     }
-  }
+  };
+  call();  // sizes s: T × T (Eigen allocates with malloc, which the operator new count does not see)
+  for (auto _ : state) call();
   const double flops = 2.0 * double(D + D) * double(T) * double(T) * double(H);
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["scores_MiB"] = double(s.size()) * sizeof(float) / (1024.0 * 1024.0);
+  state.counters["inputs_MiB"] = 4.0 * double(H * T * D) * sizeof(float) / (1024.0 * 1024.0);
   state.SetLabel(label("naive eigen"));
 }
 
@@ -225,6 +283,8 @@ void prefill_args(benchmark::internal::Benchmark* b) {
           if (threads == 2 && T > 4096) continue;
           b->Args({T, D, causal, threads});
         }
+  // The head-dimension sweep of the complexity slope against D (T = 2048, one thread, not causal).
+  for (Index D : {16, 32, 256}) b->Args({2048, D, 0, 1});
 }
 
 BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond);

@@ -1,0 +1,143 @@
+#!/usr/bin/python3
+"""Reads bench_attention's JSON output, prints the complexity slopes and the memory table, and plots GFLOPS against T.
+
+    OMP_WAIT_POLICY=passive ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
+        --benchmark_out=bench.json --benchmark_out_format=json
+    /usr/bin/python3 scripts/plot_bench.py bench.json --out bench.png      # or bench.svg; --no-plot: text only
+
+Slopes (seed 000, 定理 2.4.3: O(T²·d) time, and the fused kernel's O(T·D) memory against the naive O(T²)) are
+least-squares fits of log(real time) or log(MiB) against log(T) or log(D) over the one-thread, non-causal rows
+(T ≥ 1024 for the slope against T, where fixed costs no longer show). Needs Debian's python3-matplotlib for the
+plot only.
+"""
+import argparse
+import json
+import math
+import re
+import sys
+
+NAME = re.compile(r"BM_(\w+?)/(.*?)(/real_time)?$")
+
+
+def parse(path):
+    """One dict per benchmark row: kind, its arguments (T, D, causal, threads, Skv) and its counters."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = []
+    for b in data["benchmarks"]:
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        m = NAME.match(b["name"])
+        kind, args = (m.group(1), m.group(2)) if m else (b["name"].replace("BM_", ""), "")
+        row = {"kind": kind, "real_time": b["real_time"], "time_unit": b.get("time_unit", "ns")}
+        for part in args.split("/"):
+            if ":" in part:
+                key, value = part.split(":", 1)
+                row[key] = int(value)
+        for counter in ("GFLOPS", "GBps", "alloc_MiB", "scores_MiB", "inputs_MiB"):
+            if counter in b:
+                row[counter] = b[counter]
+        rows.append(row)
+    return data.get("context", {}), rows
+
+
+def slope(points):
+    """Least-squares slope of log y against log x."""
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
+
+
+def pick(rows, kind, **where):
+    return [r for r in rows if r["kind"] == kind and all(r.get(k) == v for k, v in where.items())]
+
+
+def report(rows):
+    peak = pick(rows, "FmaPeak")
+    sgemm = pick(rows, "EigenSgemm")
+    if peak:
+        print(f"FMA loop {peak[0]['GFLOPS']:.1f} GFLOPS" +
+              (f"; Eigen SGEMM 2048³ {sgemm[0]['GFLOPS']:.1f} GFLOPS" if sgemm else ""))
+    print("\nTime against T (fused, one thread, not causal, T ≥ 1024; seed 000 定理 2.4.3 predicts 2):")
+    for D in (64, 128):
+        pts = sorted((r["T"], r["real_time"]) for r in pick(rows, "FusedPrefill", D=D, causal=0, threads=1)
+                     if r["T"] >= 1024)
+        if len(pts) >= 2:
+            print(f"  D={D}: slope {slope(pts):.2f} over T = {', '.join(str(t) for t, _ in pts)}")
+        pts = sorted((r["T"], r["real_time"]) for r in pick(rows, "NaiveEigenPrefill", D=D) if r["T"] >= 1024)
+        if len(pts) >= 2:
+            print(f"  D={D}, naive Eigen: slope {slope(pts):.2f} over T = {', '.join(str(t) for t, _ in pts)}")
+    pts = sorted((r["D"], r["real_time"]) for r in pick(rows, "FusedPrefill", T=2048, causal=0, threads=1))
+    if len(pts) >= 2:
+        print("\nTime against D (fused, T = 2048, one thread, not causal; predicted 1):")
+        print("  " + ", ".join(f"D={d}: {t:.1f} {rows[0]['time_unit'] if rows else ''}" for d, t in pts))
+        print(f"  slope {slope(pts):.2f} over D = {', '.join(str(d) for d, _ in pts)}; "
+              f"D ≥ 64: {slope([p for p in pts if p[0] >= 64]):.2f}")
+    print("\nMemory against T (D = 64, one call):")
+    print("  T       fused alloc MiB   inputs MiB   naive scores MiB")
+    fused = {r["T"]: r for r in pick(rows, "FusedPrefill", D=64, causal=0, threads=1) if "alloc_MiB" in r}
+    naive = {r["T"]: r for r in pick(rows, "NaiveEigenPrefill", D=64) if "scores_MiB" in r}
+    for T in sorted(set(fused) | set(naive)):
+        f = fused.get(T, {})
+        n = naive.get(T, {})
+        print(f"  {T:<7d} {f.get('alloc_MiB', float('nan')):>15.2f} {f.get('inputs_MiB', n.get('inputs_MiB', float('nan'))):>12.1f}"
+              f" {n.get('scores_MiB', float('nan')):>18.1f}")
+    if len(fused) >= 2:
+        print(f"  slope of the fused allocation against T: {slope(sorted((T, r['alloc_MiB']) for T, r in fused.items())):.2f}")
+    if len(naive) >= 2:
+        print(f"  slope of the naive score matrix against T: {slope(sorted((T, r['scores_MiB']) for T, r in naive.items())):.2f}")
+
+
+def plot(context, rows, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, D in zip(axes, (64, 128)):
+        for threads, causal, style in ((1, 0, "o-"), (1, 1, "o--"), (2, 0, "s-"), (2, 1, "s--")):
+            pts = sorted((r["T"], r["GFLOPS"]) for r in pick(rows, "FusedPrefill", D=D, causal=causal, threads=threads))
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"qkv fused, {threads} thread{'s' if threads > 1 else ''}"
+                        f"{', causal' if causal else ''}")
+        pts = sorted((r["T"], r["GFLOPS"]) for r in pick(rows, "NaiveEigenPrefill", D=D))
+        if pts:
+            ax.plot(*zip(*pts), "^-", color="gray", label="naive Eigen (S = QKᵀ, softmax, PV)")
+        pts = sorted((r["T"], r["GFLOPS"]) for r in pick(rows, "ReferencePrefill", D=D))
+        if pts:
+            ax.plot(*zip(*pts), "x", color="black", label="qkv reference (float64)")
+        for kind, color, text in (("FmaPeak", "red", "FMA loop (1 thread)"), ("EigenSgemm", "purple", "Eigen SGEMM 2048³")):
+            r = pick(rows, kind)
+            if r:
+                ax.axhline(r[0]["GFLOPS"], color=color, linestyle=":", label=text)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (Sq = Skv), B = 1, H = 8")
+        ax.set_title(f"D = {D}, float")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GFLOP/s (2·(D + Dv) per visible pair)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    host = context.get("host_name", "")
+    fig.suptitle(f"qkv prefill, {context.get('date', '')} {host} ({context.get('num_cpus', '?')} CPUs)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"\nwrote {out}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", help="bench_attention --benchmark_out=<file> --benchmark_out_format=json")
+    parser.add_argument("--out", default="bench.png", help="the plot: .png or .svg")
+    parser.add_argument("--no-plot", action="store_true", help="print the slopes and the memory table only")
+    args = parser.parse_args()
+    context, rows = parse(args.json)
+    report(rows)
+    if not args.no_plot:
+        plot(context, rows, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
