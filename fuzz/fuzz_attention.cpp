@@ -906,6 +906,30 @@ std::string where(const Call& c, const RowPlace& p) {
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
+/// The call in one paragraph (QKV_FUZZ_DEBUG): shapes and every option.
+std::string describe(const Call& c) {
+  const auto& o = c.options;
+  std::string s = "B " + std::to_string(c.B) + " Hq " + std::to_string(c.Hq) + " Hkv " + std::to_string(c.Hkv) +
+                  " Sq " + std::to_string(c.Sq) + " Skv " + std::to_string(c.Skv) + " D " + std::to_string(c.D) +
+                  " Dv " + std::to_string(c.Dv) + " layout " + std::to_string(c.layout) + " backend " +
+                  std::to_string(static_cast<int>(o.backend)) + " scale " + (o.scale ? std::to_string(*o.scale) : "-") +
+                  " softcap " + std::to_string(o.softcap) + " causal " + std::to_string(o.causal) + " align " +
+                  std::to_string(static_cast<int>(o.alignment)) + " window " + std::to_string(o.window_left) + "," +
+                  std::to_string(o.window_right) + " global " + std::to_string(o.global_tokens) + " allowed " +
+                  std::to_string(c.has_allowed) + " bias " + std::to_string(c.has_bias) + " lse " +
+                  std::to_string(c.want_lse) + "\n  key_lengths";
+  for (Index x : o.key_lengths) s += " " + std::to_string(x);
+  s += "\n  cu_seqlens_q";
+  for (Index x : o.cu_seqlens_q) s += " " + std::to_string(x);
+  s += "\n  cu_seqlens_k";
+  for (Index x : o.cu_seqlens_k) s += " " + std::to_string(x);
+  s += "\n  alibi_slopes";
+  for (float x : o.alibi_slopes) s += " " + std::to_string(x);
+  s += "\n  sinks";
+  for (float x : o.sinks) s += " " + std::to_string(x);
+  return s;
+}
+
 // ---- the checks ----------------------------------------------------------------------------------------------------
 
 void check_valid_call(const Call& c) {
@@ -972,6 +996,17 @@ void check_valid_call(const Call& c) {
             : 0.0f;
     const float sink = o.sinks.empty() ? -kInf : o.sinks[static_cast<std::size_t>(p.h)];
     if (!facts.any_visible) {
+      if (std::getenv("QKV_FUZZ_DEBUG")) {
+        std::fprintf(stderr, "call %s\nrow %s sees no key; lse %.9g\n", describe(c).c_str(), where(c, p).c_str(), lse);
+        for (Index j = 0; j < p.skv; ++j) {
+          double bound = 0;
+          std::fprintf(stderr, "  key %ld rule %d score %.9g\n", static_cast<long>(j), int(rule_visible(c, p, j)),
+                       score64(c, p, j, bound));
+        }
+        for (Index d = 0; d < c.Dv; ++d)
+          std::fprintf(stderr, "  out d %ld = %.9g\n", static_cast<long>(d),
+                       c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))]);
+      }
       for (Index d = 0; d < c.Dv; ++d) {
         if (c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))] != 0.0f) {
           fail("a row that sees no key is not zeros at " + where(c, p));

@@ -438,6 +438,42 @@ TEST(NanPolicy, MinusInfinityScoreHidesTheKey) {
   check_rows(minus_inf_scores, masked, kNoRow, false);
 }
 
+TEST(NanPolicy, MinusInfinityScoreFromADenormalQueryHidesTheKey) {
+  // Found by fuzz/fuzz_attention: q_0 = the smallest float denormal, k_0 = −∞ at key 2, so q·k = −∞ and key 2 is
+  // hidden. With D = 9 (scale 1/3) the fused kernel's pre-scaled q_0·scale·log2(e) rounds to 0 in float, and 0·∞
+  // made the score NaN (the row NaN instead of hiding the key). Same check as above: the rows equal the call with
+  // key 2 masked out by `allowed`.
+  Problem masked = make_problem(1, 5, 6, 21, 2, 1, 9, 4);
+  for (long h = 0; h < 2; ++h)
+    for (long i = 0; i < 5; ++i) masked.q_at(0, h, i, 0) = static_cast<double>(std::numeric_limits<float>::denorm_min());
+  brute::Broadcast4<char> allowed;
+  allowed.extents = {1, 1, 1, 6};
+  allowed.data = {1, 1, 0, 1, 1, 1};
+  masked.p.allowed = allowed;
+  Problem minus_inf_scores = masked;
+  minus_inf_scores.p.allowed.reset();
+  minus_inf_scores.k_at(0, 0, 2, 0) = -kInf;
+  check_rows(minus_inf_scores, masked, kNoRow, false);
+}
+
+TEST(NanPolicy, QueryTooLargeToPrescaleKeepsFiniteScores) {
+  // q = 1e36, scale = 1e3: the fused kernel's pre-scaled q·scale·log2(e) overflows float although every score
+  // (1e36·1e-30·1e3 = 1e9 and 0) is finite. It must stay finite (before: ∞·0 = NaN for key 1, a NaN row): key 0
+  // takes all the weight, so out = v_0 exactly on every backend; lse is finite (the fused kernel saturates such a
+  // pre-scaled q at FLT_MAX, so its lse is not the exact 1e9: documented in detail/fused_attention.hpp).
+  for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+    const float q[1] = {1e36f}, k[2] = {1e-30f, 0.0f}, v[2] = {1.5f, -2.0f};
+    float out[1] = {std::numeric_limits<float>::quiet_NaN()}, lse[1] = {std::numeric_limits<float>::quiet_NaN()};
+    qkv::AttentionOptions<float> options;
+    options.scale = 1e3f;
+    options.backend = backend;
+    qkv::attention<float>(qkv::view_bhsd(q, 1, 1, 1, 1), qkv::view_bhsd(k, 1, 1, 2, 1), qkv::view_bhsd(v, 1, 1, 2, 1),
+                          qkv::view_bhsd(out, 1, 1, 1, 1), qkv::TensorView3<float>(lse, {1, 1, 1}), options);
+    EXPECT_EQ(out[0], 1.5f) << (backend == qkv::Backend::fused ? "fused" : "reference");
+    EXPECT_TRUE(std::isfinite(lse[0])) << (backend == qkv::Backend::fused ? "fused" : "reference");
+  }
+}
+
 TEST(NanPolicy, FiniteScoresOfAnyMagnitudeGiveFiniteWeights) {
   // Scores far beyond exp's range (q·k·scale ~ 1e29 in float, 1e299 in double) with a unique maximum per row: the
   // weights are one-hot, so each output row is exactly the value row of that key (by construction).

@@ -452,6 +452,21 @@ struct FusedScratch {
   std::vector<HeadMask<float>> masks;
 };
 
+/// q·factor where the float product left the range of q·k·scale's terms (rare; begin_task calls it only for a
+/// product of 0 or ±∞ with factor ≠ 0). Pre-scaling Q must not change which scores are infinite or NaN: a
+/// nonzero q that underflowed to 0 would turn q·(±∞) = ±∞ (a −∞ score hides its key, DESIGN.md) into 0·∞ = NaN,
+/// so it becomes the smallest denormal of the product's sign (its finite terms change by less than the 0 did); a
+/// finite q that overflowed to ±∞ becomes ±FLT_MAX, so finite inputs keep a finite score (scores that large
+/// saturate the softmax either way). Found by fuzz/fuzz_attention (q = 1e-45, k = −∞, scale 1/3).
+inline float prescaled_edge(float q, float factor, float product) noexcept {
+  const bool negative = (q < 0.0f) != (factor < 0.0f);
+  if (product == 0.0f && q != 0.0f) return negative ? -std::numeric_limits<float>::denorm_min()
+                                                     : std::numeric_limits<float>::denorm_min();
+  if (std::isinf(product) && std::isfinite(q)) return negative ? -std::numeric_limits<float>::max()
+                                                                 : std::numeric_limits<float>::max();
+  return product;
+}
+
 /// The fused kernel for one call in float. Views and options are validated by qkv::attention.
 template <class Tag>
 class FusedAttention {
@@ -889,6 +904,10 @@ class FusedAttention {
         const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
         float* dst = q_block + (g * rows + ii) * D;
         for (Index d = 0; d < D; ++d) dst[d] = src[d] * q_factor;
+        for (Index d = 0; d < D; ++d) {
+          if (!(dst[d] == 0.0f || std::isinf(dst[d])) || q_factor == 0.0f) continue;
+          dst[d] = prescaled_edge(src[d], q_factor, dst[d]);
+        }
       }
     }
     std::fill(s.row_max.data(), s.row_max.data() + M, -std::numeric_limits<float>::infinity());
