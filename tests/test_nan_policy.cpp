@@ -445,7 +445,8 @@ TEST(NanPolicy, MinusInfinityScoreFromADenormalQueryHidesTheKey) {
   // key 2 masked out by `allowed`.
   Problem masked = make_problem(1, 5, 6, 21, 2, 1, 9, 4);
   for (long h = 0; h < 2; ++h)
-    for (long i = 0; i < 5; ++i) masked.q_at(0, h, i, 0) = static_cast<double>(std::numeric_limits<float>::denorm_min());
+    for (long i = 0; i < 5; ++i)
+      masked.q_at(0, h, i, 0) = static_cast<double>(std::numeric_limits<float>::denorm_min());
   brute::Broadcast4<char> allowed;
   allowed.extents = {1, 1, 1, 6};
   allowed.data = {1, 1, 0, 1, 1, 1};

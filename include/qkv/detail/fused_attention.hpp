@@ -460,10 +460,10 @@ struct FusedScratch {
 /// saturate the softmax either way). Found by fuzz/fuzz_attention (q = 1e-45, k = −∞, scale 1/3).
 inline float prescaled_edge(float q, float factor, float product) noexcept {
   const bool negative = (q < 0.0f) != (factor < 0.0f);
-  if (product == 0.0f && q != 0.0f) return negative ? -std::numeric_limits<float>::denorm_min()
-                                                     : std::numeric_limits<float>::denorm_min();
-  if (std::isinf(product) && std::isfinite(q)) return negative ? -std::numeric_limits<float>::max()
-                                                                 : std::numeric_limits<float>::max();
+  if (product == 0.0f && q != 0.0f)
+    return negative ? -std::numeric_limits<float>::denorm_min() : std::numeric_limits<float>::denorm_min();
+  if (std::isinf(product) && std::isfinite(q))
+    return negative ? -std::numeric_limits<float>::max() : std::numeric_limits<float>::max();
   return product;
 }
 
