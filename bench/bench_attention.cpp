@@ -8,8 +8,8 @@
 // reference"), a naive materialized Eigen attention (S = Q·Kᵀ, softmax, P·V per head, float), the qkv reference
 // path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
 // Quote ratios from one run (bench/README.md), never absolute times: the machines are shared.
-// Memory: alloc_MiB is what one fused call allocates (operator new, counted below; all of it lives until the call
-// returns, so it is the call's extra memory), scores_MiB the T × T score matrix the naive baseline holds,
+// Memory: alloc_MiB is the sum of what one fused call allocates (operator new, counted below: an upper bound of its
+// peak, as all but a few small vectors live until the call returns), scores_MiB the T × T score matrix the naive baseline holds,
 // inputs_MiB what q, k, v and out occupy.
 // scripts/plot_bench.py turns the JSON output into a plot and prints the complexity slopes.
 #include <benchmark/benchmark.h>

@@ -906,14 +906,21 @@ std::string where(const Call& c, const RowPlace& p) {
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
+/// A float with all its digits (%.9g).
+std::string number(float x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(x));
+  return text;
+}
+
 /// The call in one paragraph (QKV_FUZZ_DEBUG): shapes and every option.
 std::string describe(const Call& c) {
   const auto& o = c.options;
   std::string s = "B " + std::to_string(c.B) + " Hq " + std::to_string(c.Hq) + " Hkv " + std::to_string(c.Hkv) +
                   " Sq " + std::to_string(c.Sq) + " Skv " + std::to_string(c.Skv) + " D " + std::to_string(c.D) +
                   " Dv " + std::to_string(c.Dv) + " layout " + std::to_string(c.layout) + " backend " +
-                  std::to_string(static_cast<int>(o.backend)) + " scale " + (o.scale ? std::to_string(*o.scale) : "-") +
-                  " softcap " + std::to_string(o.softcap) + " causal " + std::to_string(o.causal) + " align " +
+                  std::to_string(static_cast<int>(o.backend)) + " scale " + (o.scale ? number(*o.scale) : "-") +
+                  " softcap " + number(o.softcap) + " causal " + std::to_string(o.causal) + " align " +
                   std::to_string(static_cast<int>(o.alignment)) + " window " + std::to_string(o.window_left) + "," +
                   std::to_string(o.window_right) + " global " + std::to_string(o.global_tokens) + " allowed " +
                   std::to_string(c.has_allowed) + " bias " + std::to_string(c.has_bias) + " lse " +
@@ -924,9 +931,9 @@ std::string describe(const Call& c) {
   s += "\n  cu_seqlens_k";
   for (Index x : o.cu_seqlens_k) s += " " + std::to_string(x);
   s += "\n  alibi_slopes";
-  for (float x : o.alibi_slopes) s += " " + std::to_string(x);
+  for (float x : o.alibi_slopes) s += " " + number(x);
   s += "\n  sinks";
-  for (float x : o.sinks) s += " " + std::to_string(x);
+  for (float x : o.sinks) s += " " + number(x);
   return s;
 }
 

@@ -2,7 +2,7 @@
 # Runs the libFuzzer targets of fuzz/ (built by the `fuzz` preset: clang++, libFuzzer + ASan + UBSan).
 #
 #   bash scripts/fuzz.sh bounded        # CI: configure, build, replay the committed corpus, fuzz 120 s (one process)
-#   bash scripts/fuzz.sh long [seconds] # the long run: one process (one core), default 6 hours, corpus kept in
+#   bash scripts/fuzz.sh long [seconds] # the long run: one process (QKV_FUZZ_JOBS: more), default 6 hours, corpus in
 #                                       # build/fuzz/corpus/attention (resumable: run it again to continue)
 #   bash scripts/fuzz.sh seeds          # regenerate the seed_* files of the committed corpus fuzz/corpus/attention/
 #

@@ -23,11 +23,17 @@ def parse(path):
     """One dict per benchmark row: kind, its arguments (T, D, causal, threads, Skv) and its counters."""
     with open(path) as f:
         data = json.load(f)
+    benchmarks = [b for b in data["benchmarks"] if not b.get("error_occurred")]
+    # With --benchmark_repetitions, one row per benchmark: the median aggregate where there is one.
+    medians = {b["run_name"] for b in benchmarks if b.get("aggregate_name") == "median"}
     rows = []
-    for b in data["benchmarks"]:
-        if b.get("run_type", "iteration") != "iteration":
+    for b in benchmarks:
+        if b.get("run_name") in medians:
+            if b.get("aggregate_name") != "median":
+                continue
+        elif b.get("run_type", "iteration") != "iteration":
             continue
-        m = NAME.match(b["name"])
+        m = NAME.match(b.get("run_name", b["name"]))
         kind, args = (m.group(1), m.group(2)) if m else (b["name"].replace("BM_", ""), "")
         row = {"kind": kind, "real_time": b["real_time"], "time_unit": b.get("time_unit", "ns")}
         for part in args.split("/"):
@@ -42,7 +48,10 @@ def parse(path):
 
 
 def slope(points):
-    """Least-squares slope of log y against log x."""
+    """Least-squares slope of log y against log x (NaN for fewer than two points)."""
+    points = [(x, y) for x, y in points if x > 0 and y > 0]
+    if len(points) < 2:
+        return float("nan")
     xs = [math.log(x) for x, _ in points]
     ys = [math.log(y) for _, y in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -72,7 +81,9 @@ def report(rows):
     pts = sorted((r["D"], r["real_time"]) for r in pick(rows, "FusedPrefill", T=2048, causal=0, threads=1))
     if len(pts) >= 2:
         print("\nTime against D (fused, T = 2048, one thread, not causal; predicted 1):")
-        print("  " + ", ".join(f"D={d}: {t:.1f} {rows[0]['time_unit'] if rows else ''}" for d, t in pts))
+        base = dict(pts).get(64)
+        if base:
+            print("  time relative to D = 64: " + ", ".join(f"D={d}: {t / base:.2f}" for d, t in pts))
         print(f"  slope {slope(pts):.2f} over D = {', '.join(str(d) for d, _ in pts)}; "
               f"D ≥ 64: {slope([p for p in pts if p[0] >= 64]):.2f}")
     print("\nMemory against T (D = 64, one call):")

@@ -440,38 +440,79 @@ TEST(NanPolicy, MinusInfinityScoreHidesTheKey) {
 
 TEST(NanPolicy, MinusInfinityScoreFromADenormalQueryHidesTheKey) {
   // Found by fuzz/fuzz_attention: q_0 = the smallest float denormal, k_0 = −∞ at key 2, so q·k = −∞ and key 2 is
-  // hidden. With D = 9 (scale 1/3) the fused kernel's pre-scaled q_0·scale·log2(e) rounds to 0 in float, and 0·∞
-  // made the score NaN (the row NaN instead of hiding the key). Same check as above: the rows equal the call with
-  // key 2 masked out by `allowed`.
-  Problem masked = make_problem(1, 5, 6, 21, 2, 1, 9, 4);
-  for (long h = 0; h < 2; ++h)
-    for (long i = 0; i < 5; ++i)
-      masked.q_at(0, h, i, 0) = static_cast<double>(std::numeric_limits<float>::denorm_min());
-  brute::Broadcast4<char> allowed;
-  allowed.extents = {1, 1, 1, 6};
-  allowed.data = {1, 1, 0, 1, 1, 1};
-  masked.p.allowed = allowed;
-  Problem minus_inf_scores = masked;
-  minus_inf_scores.p.allowed.reset();
-  minus_inf_scores.k_at(0, 0, 2, 0) = -kInf;
-  check_rows(minus_inf_scores, masked, kNoRow, false);
+  // hidden. With D = 9 (scale 1/3) the fused kernel's pre-scaled q_0·factor (scale, or scale·log2 e when
+  // prefilling) rounds to 0 in float, and 0·∞ made the score NaN (the row NaN instead of hiding the key). Same
+  // check as above: the rows equal the call with key 2 masked out by `allowed`. Sq = 5 with 2 query heads per kv
+  // head is 10 stacked rows (the decoding path), Sq = 9 is 18 (the prefill path).
+  for (const long sq : {5L, 9L}) {
+    SCOPED_TRACE("Sq " + std::to_string(sq));
+    Problem masked = make_problem(1, sq, 6, 21, 4, 2, 9, 4);
+    for (long h = 0; h < 4; ++h)
+      for (long i = 0; i < sq; ++i)
+        masked.q_at(0, h, i, 0) = static_cast<double>(std::numeric_limits<float>::denorm_min());
+    brute::Broadcast4<char> allowed;
+    allowed.extents = {1, 1, 1, 6};
+    allowed.data = {1, 1, 0, 1, 1, 1};
+    masked.p.allowed = allowed;
+    Problem minus_inf_scores = masked;
+    minus_inf_scores.p.allowed.reset();
+    for (long h = 0; h < 2; ++h) minus_inf_scores.k_at(0, h, 2, 0) = -kInf;
+    check_rows(minus_inf_scores, masked, kNoRow, false);
+  }
 }
 
-TEST(NanPolicy, QueryTooLargeToPrescaleKeepsFiniteScores) {
-  // q = 1e36, scale = 1e3: the fused kernel's pre-scaled q·scale·log2(e) overflows float although every score
-  // (1e36·1e-30·1e3 = 1e9 and 0) is finite. It must stay finite (before: ∞·0 = NaN for key 1, a NaN row): key 0
-  // takes all the weight, so out = v_0 exactly on every backend; lse is finite (the fused kernel saturates such a
-  // pre-scaled q at FLT_MAX, so its lse is not the exact 1e9: documented in detail/fused_attention.hpp).
-  for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-    const float q[1] = {1e36f}, k[2] = {1e-30f, 0.0f}, v[2] = {1.5f, -2.0f};
-    float out[1] = {std::numeric_limits<float>::quiet_NaN()}, lse[1] = {std::numeric_limits<float>::quiet_NaN()};
-    qkv::AttentionOptions<float> options;
-    options.scale = 1e3f;
-    options.backend = backend;
-    qkv::attention<float>(qkv::view_bhsd(q, 1, 1, 1, 1), qkv::view_bhsd(k, 1, 1, 2, 1), qkv::view_bhsd(v, 1, 1, 2, 1),
-                          qkv::view_bhsd(out, 1, 1, 1, 1), qkv::TensorView3<float>(lse, {1, 1, 1}), options);
-    EXPECT_EQ(out[0], 1.5f) << (backend == qkv::Backend::fused ? "fused" : "reference");
-    EXPECT_TRUE(std::isfinite(lse[0])) << (backend == qkv::Backend::fused ? "fused" : "reference");
+/// Runs attention on B = 1, one head, Sq copies of the query `q` (D = 2) against keys k (Skv = 2) and values v
+/// (Dv = 1) with the given scale; returns out and lse of every row.
+Output run_two_keys(qkv::Backend backend, long sq, const float (&q)[2], const float (&k)[4], const float (&v)[2],
+                    float scale) {
+  std::vector<float> qs;
+  for (long i = 0; i < sq; ++i) qs.insert(qs.end(), q, q + 2);
+  std::vector<float> out(static_cast<std::size_t>(sq), std::numeric_limits<float>::quiet_NaN()),
+      lse(static_cast<std::size_t>(sq), std::numeric_limits<float>::quiet_NaN());
+  qkv::AttentionOptions<float> options;
+  options.scale = scale;
+  options.backend = backend;
+  qkv::attention<float>(qkv::view_bhsd(qs.data(), 1, 1, sq, 2), qkv::view_bhsd(k, 1, 1, 2, 2),
+                        qkv::view_bhsd(v, 1, 1, 2, 1), qkv::view_bhsd(out.data(), 1, 1, sq, 1),
+                        qkv::TensorView3<float>(lse.data(), {1, 1, sq}), options);
+  return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
+}
+
+TEST(NanPolicy, QueryTooLargeToPrescaleScoresExactly) {
+  // q = (1e38, 1), scale 10, k_a = (1e-30, 0), k_b = (0, 5e7): the scores 1e9 and 5e8 fit in float, but the fused
+  // kernel's pre-scaled q_0·scale (·log2 e) does not. It must neither give NaN (∞·0) nor saturate q_0 (FLT_MAX·1e-30
+  // would score key a at 3.4e8, below key b): Q is used unscaled and the scores scaled afterwards. Key a takes all
+  // the weight, out = v_a exactly, lse = 1e9 within float rounding (the reference path computes it in double).
+  const float q[2] = {1e38f, 1.0f}, k[4] = {1e-30f, 0.0f, 0.0f, 5e7f}, v[2] = {1.5f, -2.0f};
+  for (const long sq : {1L, 20L}) {  // decoding and prefill paths
+    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
+      const Output got = run_two_keys(backend, sq, q, k, v, 10.0f);
+      for (long i = 0; i < sq; ++i) {
+        EXPECT_EQ(got.out[static_cast<std::size_t>(i)], 1.5) << "row " << i;
+        EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], 1e9, 1e9 * 1e-6) << "row " << i;
+      }
+    }
+  }
+}
+
+TEST(NanPolicy, ScaleBeyondTheRangeOfScaleTimesLog2eScoresExactly) {
+  // scale = 3e38 is finite, but scale·log2 e is not: pre-scaling would make q_0 = 0 into 0·∞ = NaN. q = (0, 1e-38),
+  // k_a = (5, 1), k_b = (1, 0): scores 3 and 0 (in double: (0·5 + 1e-38·1)·3e38 = 3.0000000…), so out =
+  // (e^3·v_a + v_b) / (e^3 + 1) and lse = log(e^3 + 1), as the float64 brute force computes them.
+  const float q[2] = {0.0f, 1e-38f}, k[4] = {5.0f, 1.0f, 1.0f, 0.0f}, v[2] = {1.5f, -2.0f};
+  const double s_a = (0.0 * 5.0 + double(1e-38f) * 1.0) * double(3e38f), s_b = 0.0;
+  const double lse = std::log(std::exp(s_a) + std::exp(s_b));
+  const double out = (std::exp(s_a - lse) * 1.5 + std::exp(s_b - lse) * -2.0);
+  for (const long sq : {1L, 20L}) {
+    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
+      const Output got = run_two_keys(backend, sq, q, k, v, 3e38f);
+      for (long i = 0; i < sq; ++i) {
+        EXPECT_NEAR(got.out[static_cast<std::size_t>(i)], out, 1e-6 * 2.0) << "row " << i;
+        EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], lse, 1e-6 * std::max(1.0, lse)) << "row " << i;
+      }
+    }
   }
 }
 

@@ -20,9 +20,10 @@
 //     out = acc_o / row_sum (one division per row), lse = row_max·ln 2 + log(row_sum)
 //
 // Memory: per thread Q_block (M × D), acc_s (M × kBlockN; prefill uses kStrip × kBlockN of it, which stays in L1),
-// acc_o (M × Dv) floats, 64-byte aligned, allocated once per call; packed K and V: the size of K and V (prefill
-// sequences only). Nothing of size Sq × Skv. Traffic per task: K and V of the visible key range once from memory,
-// then from L2 for every strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each), Q and out once.
+// acc_o (M × Dv) floats, 64-byte aligned, allocated once per call; packed K and V: the size of K and V, V's rows
+// rounded up to 2·lanes floats (prefill sequences only). Nothing of size Sq × Skv. Traffic per task: K and V of the
+// visible key range once from memory, then from L2 for every strip (kBlockN = 256 keys × D = 128 floats = 128 KiB
+// each), Q and out once.
 //
 // Exactness rules kept here (DESIGN.md): hidden keys are selected away (−∞ before exp), never multiplied by zero;
 // in a tile where a key may be hidden and a value is NaN or ∞, P·V skips zero weights so a hidden slot cannot leak;
@@ -448,23 +449,21 @@ struct FusedTask {
 /// Per-thread scratch of the fused kernel: sized once per call, reused by every task of the thread.
 struct FusedScratch {
   AlignedBuffer q_block, acc_s, acc_o, row_max, row_sum;
+  /// Set by begin_task when Q could not be pre-scaled exactly (the factor or some q·factor overflows float): Q is
+  /// copied unscaled and every score is multiplied by score_scale, then by score_base, after Q·Kᵀ.
+  bool post_scale = false;
+  float score_scale = 1.0f, score_base = 1.0f;
   std::vector<char> row_nan;
   std::vector<HeadMask<float>> masks;
 };
 
-/// q·factor where the float product left the range of q·k·scale's terms (rare; begin_task calls it only for a
-/// product of 0 or ±∞ with factor ≠ 0). Pre-scaling Q must not change which scores are infinite or NaN: a
-/// nonzero q that underflowed to 0 would turn q·(±∞) = ±∞ (a −∞ score hides its key, DESIGN.md) into 0·∞ = NaN,
-/// so it becomes the smallest denormal of the product's sign (its finite terms change by less than the 0 did); a
-/// finite q that overflowed to ±∞ becomes ±FLT_MAX, so finite inputs keep a finite score (scores that large
-/// saturate the softmax either way). Found by fuzz/fuzz_attention (q = 1e-45, k = −∞, scale 1/3).
-inline float prescaled_edge(float q, float factor, float product) noexcept {
-  const bool negative = (q < 0.0f) != (factor < 0.0f);
-  if (product == 0.0f && q != 0.0f)
-    return negative ? -std::numeric_limits<float>::denorm_min() : std::numeric_limits<float>::denorm_min();
-  if (std::isinf(product) && std::isfinite(q))
-    return negative ? -std::numeric_limits<float>::max() : std::numeric_limits<float>::max();
-  return product;
+/// The pre-scaled q·factor of a nonzero q that underflowed to 0: the smallest denormal of the product's sign, so
+/// that q·(±∞) stays ±∞ (a −∞ score hides its key, DESIGN.md; 0·∞ would make it NaN). Its finite terms change by
+/// at most denorm_min·|k| (below 5e-7 for any float k), as the rounding to 0 already did. Found by
+/// fuzz/fuzz_attention (q = 1e-45, k = −∞, D = 9: q·scale·log2 e rounded to 0).
+inline float underflowed_product(float q, float factor) noexcept {
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  return (q < 0.0f) != (factor < 0.0f) ? -tiny : tiny;
 }
 
 /// The fused kernel for one call in float. Views and options are validated by qkv::attention.
@@ -663,6 +662,11 @@ class FusedAttention {
             qk_panel<Tag, kR>(q_block + r0 * D, D, packed + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel,
                               ldS);
           }
+          if (s.post_scale) {  // Q could not be pre-scaled (begin_task)
+            for (Index rr = 0; rr < kR; ++rr)
+              for (Index jj = first; jj < n; ++jj)
+                s_strip[rr * ldS + jj] = s_strip[rr * ldS + jj] * s.score_scale * s.score_base;
+          }
 
           // Softcap, bias, ALiBi where present; the mask in boundary tiles or where `allowed` / `bias` decide.
           if (data_mask || modifies) {
@@ -801,6 +805,10 @@ class FusedAttention {
           });
         }
       }
+      if (s.post_scale) {  // Q could not be pre-scaled (begin_task)
+        for (Index r = 0; r < M; ++r)
+          for (Index jj = 0; jj < n; ++jj) acc_s[r * ldS + jj] = acc_s[r * ldS + jj] * s.score_scale * s.score_base;
+      }
 
       // Softcap, bias, ALiBi where present; the mask in boundary tiles or where `allowed` / `bias` decide.
       const bool index_mask = visibility == TileVisibility::partial;
@@ -897,16 +905,34 @@ class FusedAttention {
     for (Index g = 0; g < G_; ++g) {
       s.masks[static_cast<std::size_t>(g)] = HeadMask<float>::make(options_, vb, t.h_kv * G_ + g, sq, skv, D);
     }
-    const float q_factor = base2 && !s.masks[0].modifies_scores() ? scale_ * kLog2e : scale_;
+    const bool with_log2e = base2 && !s.masks[0].modifies_scores();
+    const float q_factor = with_log2e ? scale_ * kLog2e : scale_;
+    // Q pre-scaled by q_factor must give the scores that q·k·scale gives: a nonzero q that underflows to 0 is
+    // kept nonzero (underflowed_product); if the factor or a finite q·factor overflows, Q is copied unscaled and
+    // the scores are scaled after Q·Kᵀ instead (score_scale, then score_base: each step overflows only where the
+    // score itself does).
     float* q_block = s.q_block.data();
-    for (Index g = 0; g < G_; ++g) {
+    bool overflow = !std::isfinite(q_factor);
+    for (Index g = 0; g < G_ && !overflow; ++g) {
       for (Index ii = 0; ii < rows; ++ii) {
         const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
         float* dst = q_block + (g * rows + ii) * D;
         for (Index d = 0; d < D; ++d) dst[d] = src[d] * q_factor;
-        for (Index d = 0; d < D; ++d) {
-          if (!(dst[d] == 0.0f || std::isinf(dst[d])) || q_factor == 0.0f) continue;
-          dst[d] = prescaled_edge(src[d], q_factor, dst[d]);
+        if (q_factor == 0.0f) continue;  // scale 0: every q·factor is 0 (or NaN), as q·k·0 is
+        for (Index d = 0; d < D; ++d) {  // a compare per element; the branch is taken only at the edges
+          if (dst[d] == 0.0f && src[d] != 0.0f) dst[d] = underflowed_product(src[d], q_factor);
+          if (std::isinf(dst[d]) && std::isfinite(src[d])) overflow = true;
+        }
+      }
+    }
+    s.post_scale = overflow;
+    s.score_scale = scale_;
+    s.score_base = with_log2e ? kLog2e : 1.0f;
+    if (overflow) {
+      for (Index g = 0; g < G_; ++g) {
+        for (Index ii = 0; ii < rows; ++ii) {
+          const float* src = &q_(vb, t.h_kv * G_ + g, q_row0 + t.i_begin + ii, 0);
+          std::copy(src, src + D, q_block + (g * rows + ii) * D);
         }
       }
     }
