@@ -421,15 +421,20 @@ TEST(NanPolicy, VarlenNaNStaysInItsSequence) {
 
 // ---- scores -------------------------------------------------------------------------------------------------------
 
+/// Masks key 2 of a six-key problem out with `allowed` (broadcast over batch, heads and queries).
+void hide_key_2(Problem& pr) {
+  brute::Broadcast4<char> allowed;
+  allowed.extents = {1, 1, 1, 6};
+  allowed.data = {1, 1, 0, 1, 1, 1};
+  pr.p.allowed = allowed;
+}
+
 TEST(NanPolicy, MinusInfinityScoreHidesTheKey) {
   // q > 0 everywhere and k = −∞ in every feature of key 2: q·k = −∞ for every query, so key 2 is hidden; the rows
   // equal the same call with key 2 masked out by `allowed` (and the brute force, which drops −∞ scores).
   Problem masked = make_problem(2, 4, 6, 14);
   for (double& x : masked.q) x = 0.25 + std::abs(x);
-  brute::Broadcast4<char> allowed;
-  allowed.extents = {1, 1, 1, 6};
-  allowed.data = {1, 1, 0, 1, 1, 1};
-  masked.p.allowed = allowed;
+  hide_key_2(masked);
   Problem minus_inf_scores = masked;
   minus_inf_scores.p.allowed.reset();
   for (long b = 0; b < 2; ++b)
@@ -450,10 +455,7 @@ TEST(NanPolicy, MinusInfinityScoreFromADenormalQueryHidesTheKey) {
     for (long h = 0; h < 4; ++h)
       for (long i = 0; i < sq; ++i)
         masked.q_at(0, h, i, 0) = static_cast<double>(std::numeric_limits<float>::denorm_min());
-    brute::Broadcast4<char> allowed;
-    allowed.extents = {1, 1, 1, 6};
-    allowed.data = {1, 1, 0, 1, 1, 1};
-    masked.p.allowed = allowed;
+    hide_key_2(masked);
     Problem minus_inf_scores = masked;
     minus_inf_scores.p.allowed.reset();
     for (long h = 0; h < 2; ++h) minus_inf_scores.k_at(0, h, 2, 0) = -kInf;
