@@ -1,0 +1,119 @@
+// bench/ab/ab_fused.cpp — an in-process A/B of the fused kernel: two versions of the headers in one binary.
+//
+// Built by scripts/ab_fused.sh, which exports revision A's include/ as is and revision B's include/ as B/qkv/..., then
+// compiles this file with `#define qkv qkv_b` around B's headers, so the two kernels live in the namespaces qkv and
+// qkv_b. Calls alternate A, B (B, A on odd rounds) on the same inputs, each round after a register-only FMA loop, so
+// both versions see the same machine: on a shared machine whose speed drifts by ±20 % over minutes, the ratio of two
+// interleaved versions is repeatable where two separate benchmark runs are not.
+//
+// Prints, per version, the best and the median GFLOPS (4·D per visible (query, key) pair per head, as bench_attention
+// counts) and their ratio to the best FMA loop of the run; how many rounds B was faster; max |out_A − out_B|
+// (0 when B is meant to change only speed).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "qkv/qkv.hpp"
+#define qkv qkv_b
+#include "B/qkv/qkv.hpp"
+#undef qkv
+
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// A register-only FMA loop, as BM_FmaPeak in bench_attention.cpp: as many independent chains as fit the register file
+// with the two operands (12 on AVX2, 16 on AVX-512); the ISA's peak.
+double fma_loop_gflops() {
+  using Tag = qkv::simd::BestTag;
+  constexpr int kAccumulators = Tag::kLanes >= 16 ? 16 : 12;
+  constexpr long kIterations = 1 << 22;
+  volatile float seed = 0.999999f;  // not a constant: the loop cannot be folded
+  const double t0 = now();
+  typename Tag::Vec acc[kAccumulators];
+  for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::set1(Tag(), float(a));
+  const auto x = qkv::simd::set1(Tag(), seed), y = qkv::simd::set1(Tag(), 1e-7f);
+  for (long n = 0; n < kIterations; ++n) {
+    for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::fmadd(acc[a], x, y);
+  }
+  float sum = 0;
+  for (int a = 0; a < kAccumulators; ++a) sum += qkv::simd::reduce_sum(Tag(), acc[a]);
+  const double t1 = now();
+  volatile float sink = sum;
+  (void)sink;
+  return 2.0 * kAccumulators * Tag::kLanes * double(kIterations) / (t1 - t0) * 1e-9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: %s D T rounds causal   (B = 1, H = 8, Sq = Skv = T, float)\n", argv[0]);
+    return 2;
+  }
+  const long D = std::atol(argv[1]), T = std::atol(argv[2]), H = 8;
+  const int rounds = std::atoi(argv[3]);
+  const bool causal = std::atoi(argv[4]) != 0;
+  std::vector<float> q(H * T * D), k(H * T * D), v(H * T * D), out_a(H * T * D), out_b(H * T * D);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = normal(rng);
+
+  qkv::AttentionOptions<float> options_a;
+  options_a.backend = qkv::Backend::fused;
+  options_a.causal = causal;
+  qkv_b::AttentionOptions<float> options_b;
+  options_b.backend = qkv_b::Backend::fused;
+  options_b.causal = causal;
+  const auto run_a = [&] {
+    qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                   qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out_a.data(), 1, H, T, D), options_a);
+  };
+  const auto run_b = [&] {
+    qkv_b::attention(qkv_b::view_bhsd(q.data(), 1, H, T, D), qkv_b::view_bhsd(k.data(), 1, H, T, D),
+                     qkv_b::view_bhsd(v.data(), 1, H, T, D), qkv_b::view_bhsd(out_b.data(), 1, H, T, D), options_b);
+  };
+  const double pairs = causal ? double(T) * double(T + 1) / 2.0 : double(T) * double(T);
+  const double flops = 4.0 * double(D) * pairs * double(H);
+  const auto gflops = [&](auto&& f) {
+    const double t0 = now();
+    f();
+    return flops / (now() - t0) * 1e-9;
+  };
+
+  run_a();  // warm-up: page faults of the outputs and of both kernels' scratch
+  run_b();
+  std::vector<double> peak, a, b;
+  for (int r = 0; r < rounds; ++r) {
+    peak.push_back(fma_loop_gflops());
+    if (r % 2 == 0) {
+      a.push_back(gflops(run_a));
+      b.push_back(gflops(run_b));
+    } else {
+      b.push_back(gflops(run_b));
+      a.push_back(gflops(run_a));
+    }
+  }
+  int b_faster = 0;
+  for (int r = 0; r < rounds; ++r) b_faster += b[static_cast<std::size_t>(r)] > a[static_cast<std::size_t>(r)];
+  double max_diff = 0;
+  for (std::size_t i = 0; i < out_a.size(); ++i) max_diff = std::max(max_diff, double(std::fabs(out_a[i] - out_b[i])));
+
+  const double best_peak = *std::max_element(peak.begin(), peak.end());
+  const auto report = [&](const char* name, std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    const double best = x.back(), median = x[x.size() / 2];
+    std::printf("D=%ld T=%ld causal=%d %-9s best %6.1f GFLOPS (%.3f of the FMA loop)  median %6.1f (%.3f)\n", D, T,
+                int(causal), name, best, best / best_peak, median, median / best_peak);
+  };
+  report("FMA loop", peak);
+  report("A", a);
+  report("B", b);
+  std::printf("B faster in %d of %d rounds; max |out_A - out_B| = %g\n", b_faster, rounds, max_diff);
+  return 0;
+}
