@@ -26,6 +26,9 @@ export_tree "$rev_a" "$work/a"
 export_tree "$rev_b" "$work/b/B"
 # B's headers include each other as "qkv/...": point them at B's copy.
 grep -rl '#include "qkv/' "$work/b/B/qkv" | xargs sed -i 's|#include "qkv/|#include "B/qkv/|'
+# g++ takes two headers with the same contents and modification time for one file under #pragma once (A's and B's
+# copies of an unchanged header, both exported by git archive with the commit's time): give B's copies another time.
+find "$work/b" -type f -exec touch -d '2000-01-01 00:00:00' {} +
 
 # shellcheck disable=SC2086
 "${CXX:-clang++}" -std=c++17 -DNDEBUG ${QKV_AB_FLAGS:--O3 -march=native} -w -I"$work/a" -I"$work/b" \
