@@ -8,9 +8,9 @@
 // reference"), a naive materialized Eigen attention (S = Q·Kᵀ, softmax, P·V per head, float), the qkv reference
 // path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
 // Quote ratios from one run (bench/README.md), never absolute times: the machines are shared.
-// Memory: alloc_MiB is the sum of what one fused call allocates (operator new, counted below: an upper bound of its
-// peak, as all but a few small vectors live until the call returns), scores_MiB the T × T score matrix the naive baseline holds,
-// inputs_MiB what q, k, v and out occupy.
+// Memory: alloc_MiB is the sum of what one fused call allocates (operator new, counted by
+// tests/support/counting_allocator.hpp: an upper bound of its peak, as all but a few small vectors live until the call
+// returns), scores_MiB the T × T score matrix the naive baseline holds, inputs_MiB what q, k, v and out occupy.
 // scripts/plot_bench.py turns the JSON output into a plot and prints the complexity slopes.
 #include <benchmark/benchmark.h>
 
@@ -29,37 +29,7 @@
 
 #include "qkv/qkv.hpp"
 #include "qkv/simd/simd.hpp"
-
-// GCC sees the replaced operator new / delete below inlined into callers and mistakes free() of memory from
-// malloc() for a mismatched pair; the pair is matched by construction.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-namespace {
-// Bytes passed to operator new while g_counting is set (one call of the benchmarked function).
-std::atomic<bool> g_counting{false};
-std::atomic<std::size_t> g_allocated_bytes{0};
-void count(std::size_t bytes) {
-  if (g_counting.load(std::memory_order_relaxed)) g_allocated_bytes += bytes;
-}
-}  // namespace
-
-void* operator new(std::size_t bytes) {
-  count(bytes);
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void* operator new(std::size_t bytes, std::align_val_t alignment) {
-  count(bytes);
-  const std::size_t a = static_cast<std::size_t>(alignment);
-  if (void* p = std::aligned_alloc(a, (std::max<std::size_t>(bytes, 1) + a - 1) / a * a)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#include "support/counting_allocator.hpp"  // replaces operator new in this executable: alloc_MiB
 
 namespace {
 
@@ -68,11 +38,7 @@ using qkv::Index;
 /// MiB that `call()` allocates (run once, outside the timed loop).
 template <class F>
 double allocated_mib(F&& call) {
-  g_allocated_bytes = 0;
-  g_counting = true;
-  call();
-  g_counting = false;
-  return double(g_allocated_bytes.load()) / (1024.0 * 1024.0);
+  return double(qkv_test::count_allocations(call).bytes) / (1024.0 * 1024.0);
 }
 
 std::vector<float> random_vector(std::size_t n, unsigned seed) {
@@ -155,7 +121,8 @@ void BM_ReferencePrefill(benchmark::State& state) {
 void BM_NaiveEigenPrefill(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = 8;
   using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)), v(std::size_t(H), M::Random(T, D));
+  std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)),
+      v(std::size_t(H), M::Random(T, D));
   M s, out(T, D);
   const float scale = 1.0f / std::sqrt(float(D));
   const auto call = [&] {
@@ -231,8 +198,8 @@ void BM_FusedDecode(benchmark::State& state) {
   }
   const double bytes = 2.0 * double(Hkv * Skv * D) * sizeof(float);
   state.counters["GBps"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GFLOPS"] =
-      benchmark::Counter(2.0 * double(D + D) * double(Skv) * double(Hq) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPS"] = benchmark::Counter(2.0 * double(D + D) * double(Skv) * double(Hq) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(label("fused decode"));
   set_threads(1);
 }
@@ -258,7 +225,8 @@ void BM_ReadLoop(benchmark::State& state) {
       team = omp_get_num_threads();
 #endif
       const std::size_t begin = n / std::size_t(team) * std::size_t(thread) / (4 * L) * (4 * L);
-      const std::size_t end = thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / (4 * L) * (4 * L);
+      const std::size_t end =
+          thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / (4 * L) * (4 * L);
       auto a0 = qkv::simd::zero(Tag()), a1 = a0, a2 = a0, a3 = a0;
       for (std::size_t e = begin; e < end; e += 4 * L) {
         a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data.data() + e));
@@ -271,7 +239,8 @@ void BM_ReadLoop(benchmark::State& state) {
     benchmark::DoNotOptimize(total);
   }
   (void)threads;
-  state.counters["GBps"] = benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GBps"] =
+      benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(label("read loop"));
 }
 
@@ -289,11 +258,30 @@ void prefill_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EigenSgemm)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_FusedPrefill)->Apply(prefill_args)->ArgNames({"T", "D", "causal", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_NaiveEigenPrefill)->ArgsProduct({{512, 1024, 2048, 4096}, {64, 128}})->ArgNames({"T", "D"})->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ReferencePrefill)->Args({512, 64, 0})->Args({1024, 128, 0})->ArgNames({"T", "D", "causal"})->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_FusedDecode)->ArgsProduct({{2048, 32768}, {1, 2}})->ArgNames({"Skv", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_ReadLoop)->ArgsProduct({{2048, 32768}, {1, 2}})->ArgNames({"Skv", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_FusedPrefill)
+    ->Apply(prefill_args)
+    ->ArgNames({"T", "D", "causal", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_NaiveEigenPrefill)
+    ->ArgsProduct({{512, 1024, 2048, 4096}, {64, 128}})
+    ->ArgNames({"T", "D"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReferencePrefill)
+    ->Args({512, 64, 0})
+    ->Args({1024, 128, 0})
+    ->ArgNames({"T", "D", "causal"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FusedDecode)
+    ->ArgsProduct({{2048, 32768}, {1, 2}})
+    ->ArgNames({"Skv", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_ReadLoop)
+    ->ArgsProduct({{2048, 32768}, {1, 2}})
+    ->ArgNames({"Skv", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 }  // namespace
 

@@ -27,57 +27,7 @@
 #include <omp.h>
 #endif
 
-// GCC sees the replaced operator new / delete below inlined into callers and mistakes free() of memory from
-// malloc() for a mismatched pair; the pair is matched by construction.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-// ThreadSanitizer's runtime defines operator new and delete itself (a static library: replacing them here would be a
-// duplicate definition at link time), so a TSan build does not count allocations.
-#if defined(__SANITIZE_THREAD__)
-#define QKV_TEST_COUNTS_ALLOCATIONS 0
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define QKV_TEST_COUNTS_ALLOCATIONS 0
-#endif
-#endif
-#if !defined(QKV_TEST_COUNTS_ALLOCATIONS)
-#define QKV_TEST_COUNTS_ALLOCATIONS 1
-#endif
-
-// Counting allocator: every operator new of this binary adds its size here while `g_counting` is set, so a test
-// can bound what one attention call allocates. Atomic: the kernel's OpenMP threads allocate their scratch at once.
-namespace {
-std::atomic<bool> g_counting{false};
-std::atomic<std::size_t> g_allocated_bytes{0};
-std::atomic<std::size_t> g_largest_allocation{0};
-[[maybe_unused]] void count(std::size_t bytes) {
-  if (!g_counting.load()) return;
-  g_allocated_bytes += bytes;
-  std::size_t largest = g_largest_allocation.load();
-  while (bytes > largest && !g_largest_allocation.compare_exchange_weak(largest, bytes)) {
-  }
-}
-}  // namespace
-
-#if QKV_TEST_COUNTS_ALLOCATIONS
-void* operator new(std::size_t bytes) {
-  count(bytes);
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void* operator new(std::size_t bytes, std::align_val_t alignment) {
-  count(bytes);
-  const std::size_t a = static_cast<std::size_t>(alignment);
-  if (void* p = std::aligned_alloc(a, (std::max<std::size_t>(bytes, 1) + a - 1) / a * a)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-#endif
+#include "support/counting_allocator.hpp"  // this file is the one translation unit of test_fused that includes it
 
 namespace {
 
@@ -153,7 +103,8 @@ void check_case(Case& c, unsigned seed) {
   const Index q_rows = c.options.cu_seqlens_q.empty() ? c.Sq : c.options.cu_seqlens_q.back();
   const Index k_rows = c.options.cu_seqlens_k.empty() ? c.Skv : c.options.cu_seqlens_k.back();
   std::vector<float> qd(static_cast<std::size_t>(c.B * c.Hq * q_rows * c.D)),
-      kd(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.D)), vd(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.Dv));
+      kd(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.D)),
+      vd(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.Dv));
   for (auto& x : qd) x = 2.0f * normal(rng);
   for (auto& x : kd) x = 2.0f * normal(rng);
   for (auto& x : vd) x = normal(rng);
@@ -207,7 +158,8 @@ void check_case(Case& c, unsigned seed) {
     if (std::isinf(ref_lse[n])) {
       EXPECT_EQ(fused_lse[n], float(ref_lse[n])) << c.describe() << " lse " << n;
     } else if (!std::isnan(ref_lse[n])) {
-      EXPECT_NEAR(fused_lse[n], ref_lse[n], 1e-4 * std::max(1.0, std::fabs(ref_lse[n]))) << c.describe() << " lse " << n;
+      EXPECT_NEAR(fused_lse[n], ref_lse[n], 1e-4 * std::max(1.0, std::fabs(ref_lse[n])))
+          << c.describe() << " lse " << n;
     }
   }
 }
@@ -328,9 +280,9 @@ TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {
     k[static_cast<std::size_t>(35 * 16 + dd)] = v[static_cast<std::size_t>(35 * 16 + dd)] = std::nanf("");
   }
   d.options.backend = qkv::Backend::fused;
-  qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, 1, 5, 16), qkv::view_bhsd<const float>(k.data(), 1, 1, 40, 16),
-                 qkv::view_bhsd<const float>(v.data(), 1, 1, 40, 16), qkv::view_bhsd(out.data(), 1, 1, 5, 16),
-                 d.options);
+  qkv::attention(
+      qkv::view_bhsd<const float>(q.data(), 1, 1, 5, 16), qkv::view_bhsd<const float>(k.data(), 1, 1, 40, 16),
+      qkv::view_bhsd<const float>(v.data(), 1, 1, 40, 16), qkv::view_bhsd(out.data(), 1, 1, 5, 16), d.options);
   for (float x : out) EXPECT_FLOAT_EQ(x, 1.0f);  // mean of the visible (all-one) values
 }
 
@@ -374,7 +326,8 @@ std::vector<float> run_with_threads(int threads) {
     qkv::AttentionOptions<float> o;
     o.causal = true;
     o.backend = qkv::Backend::fused;
-    qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, Hq, sq, D), qkv::view_bhsd<const float>(k.data(), 1, Hkv, Skv, D),
+    qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, Hq, sq, D),
+                   qkv::view_bhsd<const float>(k.data(), 1, Hkv, Skv, D),
                    qkv::view_bhsd<const float>(v.data(), 1, Hkv, Skv, D), qkv::view_bhsd(out.data(), 1, Hq, sq, D), o);
     result.insert(result.end(), out.begin(), out.end());
   }
@@ -407,26 +360,24 @@ TEST(Fused, BitIdenticalForAnyThreadCount) {
 }
 
 TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
-  if (!QKV_TEST_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
+  if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
   // T = 4096, 2 heads, D = 64: Sq·Skv floats per head would be 64 MiB; K, Q, V, out are 2 MiB each.
   const Index T = 4096, H = 2, D = 64;
-  std::vector<float> q(static_cast<std::size_t>(H * T * D), 0.01f), k(q.size(), 0.02f), v(q.size(), 1.0f), out(q.size());
+  std::vector<float> q(static_cast<std::size_t>(H * T * D), 0.01f), k(q.size(), 0.02f), v(q.size(), 1.0f),
+      out(q.size());
   qkv::AttentionOptions<float> o;
   o.backend = qkv::Backend::fused;
-  g_allocated_bytes = 0;
-  g_largest_allocation = 0;
-  g_counting = true;
-  qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, T, D), qkv::view_bhsd<const float>(k.data(), 1, H, T, D),
-                 qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), o);
-  g_counting = false;
+  const qkv_test::AllocationCount allocated = qkv_test::count_allocations([&] {
+    qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, T, D), qkv::view_bhsd<const float>(k.data(), 1, H, T, D),
+                   qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), o);
+  });
   const std::size_t kv_bytes = k.size() * sizeof(float);
   // Packed K and V (each the size of K here: 2 MiB) plus per-thread scratch (a few hundred KiB): O(T·D), far below
   // one T × T matrix.
-  EXPECT_LE(g_allocated_bytes.load(), kv_bytes + (std::size_t(4) << 20)) << "allocated " << g_allocated_bytes.load();
-  EXPECT_LT(g_largest_allocation.load(), std::size_t(T) * std::size_t(T) * sizeof(float) / 16);
+  EXPECT_LE(allocated.bytes, kv_bytes + (std::size_t(4) << 20)) << "allocated " << allocated.bytes;
+  EXPECT_LT(allocated.largest, std::size_t(T) * std::size_t(T) * sizeof(float) / 16);
   EXPECT_NEAR(out[0], 1.0f, 1e-6f);
 }
-
 
 // The kernel for every SIMD tag the build enables, in one binary: FusedAttention<Tag> against the reference.
 using KernelTags = ::testing::Types<qkv::simd::ScalarTag
@@ -448,7 +399,8 @@ TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
   std::mt19937 rng(31);
   std::normal_distribution<float> normal;
   for (int trial = 0; trial < 12; ++trial) {
-    const Index Hq = 4, Hkv = trial % 2 == 0 ? 2 : 4, Sq = trial < 6 ? 70 + trial : 1 + trial % 3, Skv = 130 + 37 * trial;
+    const Index Hq = 4, Hkv = trial % 2 == 0 ? 2 : 4, Sq = trial < 6 ? 70 + trial : 1 + trial % 3,
+                Skv = 130 + 37 * trial;
     const Index D = trial % 3 == 0 ? 33 : 64, Dv = trial % 4 == 0 ? 17 : D;
     std::vector<float> q(static_cast<std::size_t>(Hq * Sq * D)), k(static_cast<std::size_t>(Hkv * Skv * D)),
         v(static_cast<std::size_t>(Hkv * Skv * Dv)), out(static_cast<std::size_t>(Hq * Sq * Dv));
@@ -468,8 +420,10 @@ TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
     qkv::AttentionOptions<double> o64;
     o64.causal = o.causal;
     o64.window_left = o.window_left;
-    qkv::attention(qkv::view_bhsd<const double>(q64.data(), 1, Hq, Sq, D), qkv::view_bhsd<const double>(k64.data(), 1, Hkv, Skv, D),
-                   qkv::view_bhsd<const double>(v64.data(), 1, Hkv, Skv, Dv), qkv::view_bhsd(ref.data(), 1, Hq, Sq, Dv), o64);
+    qkv::attention(qkv::view_bhsd<const double>(q64.data(), 1, Hq, Sq, D),
+                   qkv::view_bhsd<const double>(k64.data(), 1, Hkv, Skv, D),
+                   qkv::view_bhsd<const double>(v64.data(), 1, Hkv, Skv, Dv), qkv::view_bhsd(ref.data(), 1, Hq, Sq, Dv),
+                   o64);
     // The accuracy rule, with the plain float implementation of this file as the yardstick.
     Case c;
     c.Hq = Hq, c.Hkv = Hkv, c.Sq = Sq, c.Skv = Skv, c.D = D, c.Dv = Dv;
