@@ -27,6 +27,7 @@
 #include <omp.h>
 #endif
 
+#include "fma_loop.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/simd/simd.hpp"
 #include "support/counting_allocator.hpp"  // replaces operator new in this executable: alloc_MiB
@@ -158,25 +159,15 @@ void BM_EigenSgemm(benchmark::State& state) {
   state.SetLabel(label("eigen sgemm"));
 }
 
-// A register-only FMA loop: the ISA's peak FLOP rate for one thread. Independent accumulators, as many as fit the
-// register file with the two operands (12 of AVX2's 16 ymm registers, 16 of AVX-512's 32): enough to cover the FMA
-// latency × the FMA ports (4 × 2 on current x86 cores), none spilled.
+// A register-only FMA loop (bench/fma_loop.hpp): the ISA's peak FLOP rate for one thread.
 void BM_FmaPeak(benchmark::State& state) {
-  using Tag = qkv::simd::BestTag;
-  constexpr int kAccumulators = Tag::kLanes >= 16 ? 16 : 12;
   constexpr std::int64_t kIterations = 1 << 20;
+  float x = 0.999999f;
   for (auto _ : state) {
-    typename Tag::Vec acc[kAccumulators];
-    for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::set1(Tag(), float(a));
-    const auto x = qkv::simd::set1(Tag(), 0.999999f), y = qkv::simd::set1(Tag(), 1e-7f);
-    for (std::int64_t n = 0; n < kIterations; ++n) {
-      for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::fmadd(acc[a], x, y);
-    }
-    float sum = 0;
-    for (int a = 0; a < kAccumulators; ++a) sum += qkv::simd::reduce_sum(Tag(), acc[a]);
-    benchmark::DoNotOptimize(sum);
+    benchmark::DoNotOptimize(x);
+    benchmark::DoNotOptimize(qkv_bench::fma_chains(kIterations, x));
   }
-  const double flops = 2.0 * kAccumulators * Tag::kLanes * double(kIterations);
+  const double flops = 2.0 * qkv_bench::kFmaChains * qkv::simd::BestTag::kLanes * double(kIterations);
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(label("fma peak"));
 }

@@ -12,12 +12,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "../fma_loop.hpp"  // A's qkv::simd, before A's macros are undefined
 #include "qkv/qkv.hpp"
 #include "undef_a.hpp"  // written by the script: #undef of every QKV_ macro A's headers define
 #define qkv qkv_b
@@ -28,26 +30,15 @@ namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// A register-only FMA loop, as BM_FmaPeak in bench_attention.cpp: as many independent chains as fit the register file
-// with the two operands (12 on AVX2, 16 on AVX-512); the ISA's peak.
+// The register-only FMA loop of bench/fma_loop.hpp (as BM_FmaPeak): the ISA's peak, in GFLOPS.
 double fma_loop_gflops() {
-  using Tag = qkv::simd::BestTag;
-  constexpr int kAccumulators = Tag::kLanes >= 16 ? 16 : 12;
-  constexpr long kIterations = 1 << 22;
-  volatile float seed = 0.999999f;  // not a constant: the loop cannot be folded
+  constexpr std::int64_t kIterations = 1 << 22;
+  volatile float x = 0.999999f;  // read at run time: the loop cannot be folded
   const double t0 = now();
-  typename Tag::Vec acc[kAccumulators];
-  for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::set1(Tag(), float(a));
-  const auto x = qkv::simd::set1(Tag(), seed), y = qkv::simd::set1(Tag(), 1e-7f);
-  for (long n = 0; n < kIterations; ++n) {
-    for (int a = 0; a < kAccumulators; ++a) acc[a] = qkv::simd::fmadd(acc[a], x, y);
-  }
-  float sum = 0;
-  for (int a = 0; a < kAccumulators; ++a) sum += qkv::simd::reduce_sum(Tag(), acc[a]);
+  volatile float sink = qkv_bench::fma_chains(kIterations, x);
   const double t1 = now();
-  volatile float sink = sum;
   (void)sink;
-  return 2.0 * kAccumulators * Tag::kLanes * double(kIterations) / (t1 - t0) * 1e-9;
+  return 2.0 * qkv_bench::kFmaChains * qkv::simd::BestTag::kLanes * double(kIterations) / (t1 - t0) * 1e-9;
 }
 
 }  // namespace
