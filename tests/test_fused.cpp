@@ -39,6 +39,10 @@ struct Case {
   qkv::AttentionOptions<float> options;
   std::vector<float> bias;  // storage behind options.bias
   std::vector<char> allowed;
+  /// Component 0 of every key set to 1e38 and of every query to 0: the scores do not change (0 · 1e38 = 0 in float
+  /// and double), but Σ|q|·max|k| passes FLT_MAX, so the prefill tasks must run their softmax in base e
+  /// (run_prefill_task); with a bias, bias[0] = 3e38 also takes a finished score past FLT_MAX / log2 e.
+  bool huge_unused_key_component = false;
   std::string describe() const {
     std::ostringstream s;
     s << "B " << B << " Hq " << Hq << " Hkv " << Hkv << " Sq " << Sq << " Skv " << Skv << " D " << D << " Dv " << Dv
@@ -47,7 +51,7 @@ struct Case {
       << options.window_right << " global " << options.global_tokens << " softcap " << options.softcap
       << " key_lengths " << options.key_lengths.size() << " bias " << !bias.empty() << " allowed " << !allowed.empty()
       << " alibi " << options.alibi_slopes.size() << " sinks " << options.sinks.size() << " varlen "
-      << options.cu_seqlens_q.size();
+      << options.cu_seqlens_q.size() << (huge_unused_key_component ? " huge unused key component" : "");
     return s.str();
   }
 };
@@ -108,6 +112,17 @@ void check_case(Case& c, unsigned seed) {
   for (auto& x : qd) x = 2.0f * normal(rng);
   for (auto& x : kd) x = 2.0f * normal(rng);
   for (auto& x : vd) x = normal(rng);
+  if (c.huge_unused_key_component && c.D > 0) {
+    const auto q_mut = make_view<float>(qd.data(), c.B, c.Hq, q_rows, c.D, c.bshd);
+    const auto k_mut = make_view<float>(kd.data(), c.B, c.Hkv, k_rows, c.D, c.bshd);
+    for (Index b = 0; b < c.B; ++b) {
+      for (Index h = 0; h < c.Hq; ++h)
+        for (Index i = 0; i < q_rows; ++i) q_mut(b, h, i, 0) = 0.0f;
+      for (Index h = 0; h < c.Hkv; ++h)
+        for (Index j = 0; j < k_rows; ++j) k_mut(b, h, j, 0) = 1e38f;
+    }
+    if (!c.bias.empty()) c.bias[0] = 3e38f;
+  }
   const std::size_t n_out = static_cast<std::size_t>(c.B * c.Hq * q_rows * c.Dv);
   std::vector<float> fused(n_out, -7.0f), plain(n_out, 0.0f), fused_lse(static_cast<std::size_t>(c.B * c.Hq * q_rows));
   std::vector<double> qd64(qd.begin(), qd.end()), kd64(kd.begin(), kd.end()), vd64(vd.begin(), vd.end()), ref(n_out),
@@ -250,6 +265,19 @@ TEST(FusedGridFull, WholeGrid) {
   for (int trial = 0; trial < 400; ++trial) {
     Case c = random_case(rng, dims, 1000);
     check_case(c, static_cast<unsigned>(trial));
+    if (HasFailure()) return;
+  }
+}
+
+TEST(Fused, PrefillInBaseEWhereBase2WouldOverflow) {
+  // The prefill softmax in base e (taken where a score could pass FLT_MAX / log2 e ≈ 2.4e38 in base 2) under the same
+  // accuracy rule as the grid, with every option: see Case::huge_unused_key_component.
+  std::mt19937 rng(2468);
+  const std::vector<Index> dims = {1, 3, 8, 16, 33, 64, 80};
+  for (int trial = 0; trial < (reduced_grid() ? 6 : 16); ++trial) {
+    Case c = random_case(rng, dims, reduced_grid() ? 120 : 300);
+    c.huge_unused_key_component = true;
+    check_case(c, static_cast<unsigned>(500 + trial));
     if (HasFailure()) return;
   }
 }

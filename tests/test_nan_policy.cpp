@@ -464,9 +464,10 @@ TEST(NanPolicy, MinusInfinityScoreFromADenormalQueryHidesTheKey) {
 }
 
 /// Runs attention on B = 1, one head, Sq copies of the query `q` (D = 2) against keys k (Skv = 2) and values v
-/// (Dv = 1) with the given scale; returns out and lse of every row.
+/// (Dv = 1) with the given scale, and, if `bias` is given, the additive bias bias[j] on key j of every row; returns
+/// out and lse of every row.
 Output run_two_keys(qkv::Backend backend, long sq, const float (&q)[2], const float (&k)[4], const float (&v)[2],
-                    float scale) {
+                    float scale, const float* bias = nullptr) {
   std::vector<float> qs;
   for (long i = 0; i < sq; ++i) qs.insert(qs.end(), q, q + 2);
   std::vector<float> out(static_cast<std::size_t>(sq), std::numeric_limits<float>::quiet_NaN()),
@@ -474,6 +475,7 @@ Output run_two_keys(qkv::Backend backend, long sq, const float (&q)[2], const fl
   qkv::AttentionOptions<float> options;
   options.scale = scale;
   options.backend = backend;
+  if (bias != nullptr) options.bias = qkv::TensorView4<const float>(bias, {1, 1, 1, 2});  // broadcast over rows
   qkv::attention<float>(qkv::view_bhsd(qs.data(), 1, 1, sq, 2), qkv::view_bhsd(k, 1, 1, 2, 2),
                         qkv::view_bhsd(v, 1, 1, 2, 1), qkv::view_bhsd(out.data(), 1, 1, sq, 1),
                         qkv::TensorView3<float>(lse.data(), {1, 1, sq}), options);
@@ -513,6 +515,64 @@ TEST(NanPolicy, ScaleBeyondTheRangeOfScaleTimesLog2eScoresExactly) {
       for (long i = 0; i < sq; ++i) {
         EXPECT_NEAR(got.out[static_cast<std::size_t>(i)], out, 1e-6 * 2.0) << "row " << i;
         EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], lse, 1e-6 * std::max(1.0, lse)) << "row " << i;
+      }
+    }
+  }
+}
+
+/// out and lse of softmax(s)·v for two keys, by a float64 loop: the expected values of the tests below.
+Output two_key_softmax(double s_a, double s_b, double v_a, double v_b) {
+  const double m = std::max(s_a, s_b);
+  const double w_a = std::exp(s_a - m), w_b = std::exp(s_b - m);
+  return {{(w_a * v_a + w_b * v_b) / (w_a + w_b)}, {m + std::log(w_a + w_b)}};
+}
+
+TEST(NanPolicy, ScoresBeyondFltMaxOverLog2eStayExact) {
+  // Finite scores between FLT_MAX / log2 e ≈ 2.36e38 and FLT_MAX: q = (1.8e19, 1), k = (±1.8e19, 0) and
+  // (±1.7e19, 0), scale 1, so the scores are ±3.24e38 and ±3.06e38 in float. The fused prefill softmax works in base 2
+  // (scores times log2 e), where they would be ±∞: +∞ made the rows NaN, −∞ hid both keys (zeros, lse −∞). Its task
+  // must see that from max |k| and Σ |q| and run in base e. The expected values come from a float64 loop: the
+  // weights are one-hot (e^(−1.8e37) is 0), out is v of the larger score exactly, lse the larger score.
+  const float v[2] = {1.5f, -2.0f};
+  for (const float sign : {1.0f, -1.0f}) {
+    const float q[2] = {1.8e19f, 1.0f}, k[4] = {sign * 1.8e19f, 0.0f, sign * 1.7e19f, 0.0f};
+    const double s_a = double(q[0]) * double(k[0]), s_b = double(q[0]) * double(k[2]);
+    const Output expected = two_key_softmax(s_a, s_b, v[0], v[1]);
+    for (const long sq : {1L, 20L}) {  // decoding and prefill paths
+      for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+        SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " +
+                     std::to_string(sq) + ", sign " + std::to_string(sign));
+        const Output got = run_two_keys(backend, sq, q, k, v, 1.0f);
+        for (long i = 0; i < sq; ++i) {
+          EXPECT_EQ(got.out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
+          EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
+              << "row " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(NanPolicy, BiasBeyondFltMaxOverLog2eStaysExact) {
+  // The same range reached through `bias`: q = (1, 2), k_a = (1, 0), k_b = (0, 1), scale 1 (scores 1 and 2), bias
+  // ±3e38 on key a and ±2.9e38 on key b. The fused prefill path finishes such scores in base e and multiplies them
+  // by log2 e, which overflows: the task must run in base e instead. Expected values from a float64 loop on the
+  // float sums (each score + bias rounds to the bias in float: the ulp of 3e38 is 2e31).
+  const float q[2] = {1.0f, 2.0f}, k[4] = {1.0f, 0.0f, 0.0f, 1.0f}, v[2] = {1.5f, -2.0f};
+  for (const float sign : {1.0f, -1.0f}) {
+    const float bias[2] = {sign * 3e38f, sign * 2.9e38f};
+    const double s_a = double(1.0f + bias[0]), s_b = double(2.0f + bias[1]);
+    const Output expected = two_key_softmax(s_a, s_b, v[0], v[1]);
+    for (const long sq : {1L, 20L}) {
+      for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+        SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " +
+                     std::to_string(sq) + ", sign " + std::to_string(sign));
+        const Output got = run_two_keys(backend, sq, q, k, v, 1.0f, bias);
+        for (long i = 0; i < sq; ++i) {
+          EXPECT_EQ(got.out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
+          EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
+              << "row " << i;
+        }
       }
     }
   }

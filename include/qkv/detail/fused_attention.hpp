@@ -28,7 +28,8 @@
 // Exactness rules kept here (DESIGN.md): hidden keys are selected away (−∞ before exp), never multiplied by zero;
 // in a tile where a key may be hidden and a value is NaN or ∞, P·V skips zero weights so a hidden slot cannot leak;
 // a row with NaN or +∞ among its visible scores is NaN (as the reference); empty rows give zeros and lse −∞;
-// sinks join the denominator at the end as a state with output 0 and lse = the sink logit.
+// sinks join the denominator at the end as a state with output 0 and lse = the sink logit; a prefill task whose
+// scores could overflow in base 2 (above FLT_MAX / log2 e) runs in base e (run_prefill_task, base2_fits).
 //
 // Split-K for decoding: a sequence with a single query tile and many keys splits its keys into chunks of
 // kSplitKeys (a number fixed by the shape, never by the thread count); each chunk is a task; the partial
@@ -108,23 +109,31 @@ struct FusedTiles {
 };
 
 /// Packs the first `skv` keys of k (rows of D floats, `ld` apart) into panels of kPanel keys laid out
-/// [panel][d][key], zero-padding the last panel.
+/// [panel][d][key], zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out: they make a
+/// score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base (base2_fits).
 template <class Tag>
-void pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noexcept {
+float pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel;
   const Index panels = (skv + kPanel - 1) / kPanel;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float abs_max = 0.0f;
   for (Index p = 0; p < panels; ++p) {
     float* dst = packed + p * D * kPanel;
     const Index keys = std::min<Index>(kPanel, skv - p * kPanel);
     for (Index j = 0; j < kPanel; ++j) {
       if (j < keys) {
         const float* src = k + (p * kPanel + j) * ld;
-        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = src[d];
+        for (Index d = 0; d < D; ++d) {
+          dst[d * kPanel + j] = src[d];
+          const float a = std::fabs(src[d]);
+          abs_max = std::max(abs_max, a < kInf ? a : 0.0f);
+        }
       } else {
         for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = 0.0f;
       }
     }
   }
+  return abs_max;
 }
 
 /// Packs the first `skv` values (rows of Dv floats, `ld` apart) into column chunks of 2·lanes laid out
@@ -529,6 +538,7 @@ class FusedAttention {
     const Index n = shape_.n_sequences * shape_.Hkv;
     packed_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     packed_v_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
+    key_abs_max_.assign(static_cast<std::size_t>(n), 0.0f);
     decode_.assign(static_cast<std::size_t>(shape_.n_sequences), 0);
     for (Index b = 0; b < shape_.n_sequences; ++b) {
       const Index skv = shape_.key_counts[static_cast<std::size_t>(b)];
@@ -557,8 +567,8 @@ class FusedAttention {
         const Index skv = shape_.key_counts[s];
         if (skv == 0 || shape_.q_rows[s].length == 0 || decode_[s]) continue;
         const Index vb = shape_.view_batch(b), row0 = shape_.kv_rows[s].begin;
-        pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D,
-                       packed_.data() + packed_offset_[kv_index(b, h_kv)]);
+        key_abs_max_[kv_index(b, h_kv)] = pack_keys<Tag>(&k_(vb, h_kv, row0, 0), k_.stride(2), skv, shape_.D,
+                                                         packed_.data() + packed_offset_[kv_index(b, h_kv)]);
         if (shape_.Dv > 0) {
           pack_values<Tag>(&v_(vb, h_kv, row0, 0), v_.stride(2), skv, shape_.Dv,
                            packed_v_.data() + packed_v_offset_[kv_index(b, h_kv)]);
@@ -608,11 +618,25 @@ class FusedAttention {
   /// alone, the score finished in base e and then multiplied by log2(e). Per strip, key tiles the strip cannot see
   /// are skipped and the strip's keys are cut to its own visible range (the diagonal strip stops at its last
   /// visible key, a window's strip starts at its first).
-  void run_prefill_task(const FusedTask& t, FusedScratch& s) const {
+  ///
+  /// Base 2 holds a score only up to FLT_MAX / log2(e) ≈ 2.4e38: with kBase2 the task returns false, having written
+  /// nothing, when some score could exceed that (base2_fits) or a score finished by softcap, bias or ALiBi did; the
+  /// caller then runs it again with kBase2 = false (Q scaled by `scale`, exp instead of exp2), which holds every
+  /// finite score, as the decoding path and the reference do.
+  template <bool kBase2>
+  bool run_prefill_task(const FusedTask& t, FusedScratch& s) const {
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     constexpr float kLog2e = 1.44269504088896341f;
     constexpr int L = Tag::kLanes;
+    const auto vector_exp = [](typename Tag::Vec x) {
+      if constexpr (kBase2) {
+        return simd::exp2(Tag(), x);
+      } else {
+        return simd::exp(Tag(), x);
+      }
+    };
+    const auto scalar_exp = [](float x) { return kBase2 ? std::exp2(x) : std::exp(x); };
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence);
     const Index kv_row0 = shape_.kv_rows[seq].begin, skv = shape_.key_counts[seq];
@@ -623,7 +647,9 @@ class FusedAttention {
     float* acc_o = s.acc_o.data();
     float* row_max = s.row_max.data();
     float* row_sum = s.row_sum.data();
-    const KeyRange range = begin_task(t, s, /*base2=*/true);
+    const KeyRange range = begin_task(t, s, kBase2);
+    if (kBase2 && !base2_fits(t, s)) return false;
+    bool base2_overflow = false;  // a score finished by softcap, bias or ALiBi overflowed when multiplied by log2(e)
     const HeadMask<float>& first_mask = s.masks[0];
     const MaskGeometry& geometry = first_mask.geometry;
     const bool data_mask = first_mask.has_data_mask(), modifies = first_mask.modifies_scores();
@@ -680,7 +706,9 @@ class FusedAttention {
                 if ((index_mask || data_mask) && !mask.visible(i, j)) {
                   row[jj] = kNegInf;
                 } else if (modifies) {
-                  row[jj] = mask.finish(row[jj], i, j) * kLog2e;
+                  const float finished = mask.finish(row[jj], i, j);
+                  row[jj] = kBase2 ? finished * kLog2e : finished;
+                  if (kBase2 && std::isinf(row[jj]) && !std::isinf(finished)) base2_overflow = true;
                 }
               }
             }
@@ -698,7 +726,9 @@ class FusedAttention {
             }
           }
 
-          // Online softmax in base 2: row_max and row_sum; acc_o is rescaled only when a row's max rose.
+          if (base2_overflow) return;  // the task is run again in base e
+
+          // Online softmax (base 2, or e): row_max and row_sum; acc_o is rescaled only when a row's max rose.
           const Index n_vec = first + (n - first) / L * L;
           for (Index rr = 0; rr < kR; ++rr) {
             const Index r = r0 + rr;
@@ -719,17 +749,17 @@ class FusedAttention {
             const auto vm = set1(Tag(), new_max);
             auto vsum = zero(Tag());
             for (Index jj = first; jj < n_vec; jj += L) {
-              const auto e = simd::exp2(Tag(), sub(load(Tag(), row + jj), vm));
+              const auto e = vector_exp(sub(load(Tag(), row + jj), vm));
               store(Tag(), row + jj, e);
               vsum = add(vsum, e);
             }
             float sum = reduce_sum(Tag(), vsum);
             for (Index jj = n_vec; jj < n; ++jj) {
-              row[jj] = std::exp2(row[jj] - new_max);
+              row[jj] = scalar_exp(row[jj] - new_max);
               sum += row[jj];
             }
             if (new_max > old_max && old_max != kNegInf) {
-              const float alpha = std::exp2(old_max - new_max);
+              const float alpha = scalar_exp(old_max - new_max);
               row_sum[r] *= alpha;
               float* o = acc_o + r * Dv;
               const auto va = set1(Tag(), alpha);
@@ -754,16 +784,46 @@ class FusedAttention {
                                  kR);
           }
         });
+        if (base2_overflow) return false;
       }
     }
 
-    // (out, lse) of every row, lse back in base e; the output directly, or the task's partial slot for split-K.
-    finish_rows(t, s, /*base2=*/true);
+    // (out, lse) of every row, lse in base e; the output directly, or the task's partial slot for split-K.
+    finish_rows(t, s, kBase2);
+    return true;
+  }
+
+  /// Whether the prefill task's scores all stay finite in base 2 (run_prefill_task): the finite part of q'·k is at
+  /// most Σ_d |q'_d| · max |k| over the finite q'_d and k (q' the Q block as begin_task left it, times the
+  /// post-scale factors if any), which must stay below FLT_MAX. The ±∞ and NaN terms are left out: they make the
+  /// score ±∞ or NaN in either base, so a call and the same call with such a key masked out keep one base (the NaN
+  /// policy's bit-identity). With softcap, bias or ALiBi, Q carries no log2(e) and each finished score is checked
+  /// instead. O(M·D), beside the task's O(M·Skv·D).
+  bool base2_fits(const FusedTask& t, const FusedScratch& s) const {
+    if (s.masks[0].modifies_scores()) return true;
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    const Index D = shape_.D, M = G_ * (t.i_end - t.i_begin);
+    const float* q_block = s.q_block.data();
+    double l1_max = 0.0;
+    for (Index r = 0; r < M; ++r) {
+      double l1 = 0.0;
+      for (Index d = 0; d < D; ++d) {
+        const double a = std::fabs(double(q_block[r * D + d]));
+        l1 += a < kInf ? a : 0.0;
+      }
+      l1_max = std::max(l1_max, l1);
+    }
+    const double factor = s.post_scale ? std::fabs(double(s.score_scale) * double(s.score_base)) : 1.0;
+    const double bound = l1_max * double(key_abs_max_[kv_index(t.sequence, t.h_kv)]) * factor;
+    return bound < double(std::numeric_limits<float>::max());
   }
 
   /// One task: prefill sequences go to run_prefill_task; decoding sequences (Sq·G ≤ kDecodeRows) run here.
   void run_task(const FusedTask& t, FusedScratch& s) const {
-    if (!decode_[static_cast<std::size_t>(t.sequence)]) return run_prefill_task(t, s);  // prefill: packed K and V
+    if (!decode_[static_cast<std::size_t>(t.sequence)]) {  // prefill: packed K and V; base e where base 2 overflows
+      if (!run_prefill_task<true>(t, s)) run_prefill_task<false>(t, s);
+      return;
+    }
     // Decoding (Sq·G ≤ kDecodeRows): K and V read in place.
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -1039,7 +1099,8 @@ class FusedAttention {
   AlignedBuffer packed_v_;  ///< V of prefill sequences, packed by pack_values
   std::vector<Index> packed_offset_;
   std::vector<Index> packed_v_offset_;
-  std::vector<char> decode_;  ///< per sequence: K read in place (decoding) rather than packed
+  std::vector<float> key_abs_max_;  ///< per (sequence, kv head) of a prefill sequence: max |k| (pack_keys)
+  std::vector<char> decode_;        ///< per sequence: K read in place (decoding) rather than packed
   std::vector<FusedTask> tasks_;
   Index partial_count_ = 0;
   Index work_ = 0;            ///< multiply-adds of every task, upper bound (for the threading decision)
