@@ -39,9 +39,11 @@ struct Case {
   qkv::AttentionOptions<float> options;
   std::vector<float> bias;  // storage behind options.bias
   std::vector<char> allowed;
-  /// Component 0 of every key set to 1e38 and of every query to 0: the scores do not change (0 · 1e38 = 0 in float
-  /// and double), but Σ|q|·max|k| passes FLT_MAX, so the prefill tasks must run their softmax in base e
-  /// (run_prefill_task); with a bias, bias[0] = 3e38 also takes a finished score past FLT_MAX / log2 e.
+  /// Component 0 of every key set to 3e38 and of every query to 0: the scores do not change (0 · 3e38 = 0 in float
+  /// and double), but the base-2 check's bound Σ|q'|·max|k| (run_prefill_task, base2_fits) passes FLT_MAX as soon
+  /// as Σ|q'| of some row of a task exceeds 1.14, so that task runs its softmax in base e. Without softcap, bias or
+  /// ALiBi (whose tasks are checked score by score instead) and with D ≥ 3 every prefill task of the grid below
+  /// does: its rows' Σ|q'| are far above 1.14.
   bool huge_unused_key_component = false;
   std::string describe() const {
     std::ostringstream s;
@@ -119,9 +121,8 @@ void check_case(Case& c, unsigned seed) {
       for (Index h = 0; h < c.Hq; ++h)
         for (Index i = 0; i < q_rows; ++i) q_mut(b, h, i, 0) = 0.0f;
       for (Index h = 0; h < c.Hkv; ++h)
-        for (Index j = 0; j < k_rows; ++j) k_mut(b, h, j, 0) = 1e38f;
+        for (Index j = 0; j < k_rows; ++j) k_mut(b, h, j, 0) = 3e38f;
     }
-    if (!c.bias.empty()) c.bias[0] = 3e38f;
   }
   const std::size_t n_out = static_cast<std::size_t>(c.B * c.Hq * q_rows * c.Dv);
   std::vector<float> fused(n_out, -7.0f), plain(n_out, 0.0f), fused_lse(static_cast<std::size_t>(c.B * c.Hq * q_rows));
@@ -270,16 +271,38 @@ TEST(FusedGridFull, WholeGrid) {
 }
 
 TEST(Fused, PrefillInBaseEWhereBase2WouldOverflow) {
-  // The prefill softmax in base e (taken where a score could pass FLT_MAX / log2 e ≈ 2.4e38 in base 2) under the same
-  // accuracy rule as the grid, with every option: see Case::huge_unused_key_component.
+  // The prefill softmax in base e (taken where a score could pass FLT_MAX / log2 e ≈ 2.4e38 in base 2) under the
+  // grid's accuracy rule, with every option but softcap and ALiBi: see Case::huge_unused_key_component. (Changing
+  // the base-e exp to exp2 makes this test fail.)
   std::mt19937 rng(2468);
-  const std::vector<Index> dims = {1, 3, 8, 16, 33, 64, 80};
+  const std::vector<Index> dims = {3, 8, 16, 33, 64, 80};
   for (int trial = 0; trial < (reduced_grid() ? 6 : 16); ++trial) {
     Case c = random_case(rng, dims, reduced_grid() ? 120 : 300);
+    c.options.softcap = 0.0f;
+    c.options.alibi_slopes.clear();
     c.huge_unused_key_component = true;
     check_case(c, static_cast<unsigned>(500 + trial));
     if (HasFailure()) return;
   }
+}
+
+TEST(Fused, PrefillRerunInBaseEAfterALateOverflow) {
+  // A bias of 3e38 at one late (row, key), key tile 3 of 3: the base-2 run of the task has already updated every
+  // row's max, sum and output through two key tiles and most strips of the third when the finished score
+  // overflows; the task must start again in base e from a clean state. GQA 2/1 (80 stacked rows), causal, against
+  // the float64 reference under the grid's rule; that row is one-hot on the biased key.
+  Case c;
+  c.Hq = 2;
+  c.Hkv = 1;
+  c.Sq = 40;
+  c.Skv = 600;
+  c.D = c.Dv = 16;
+  c.options.causal = true;
+  c.options.alignment = qkv::CausalAlignment::bottom_right;
+  c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.0f);
+  c.bias[static_cast<std::size_t>((1 * c.Sq + 30) * c.Skv + 550)] = 3e38f;  // head 1, query 30, key 550 (visible)
+  c.options.bias = qkv::TensorView4<const float>(c.bias.data(), {1, c.Hq, c.Sq, c.Skv});
+  check_case(c, 31);
 }
 
 TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {

@@ -27,6 +27,7 @@ using qkv::Index;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr float kNaNf = std::numeric_limits<float>::quiet_NaN();
 
 std::size_t flat(long n1, long n2, long n3, long i0, long i1, long i2, long i3) {
   return static_cast<std::size_t>(((i0 * n1 + i1) * n2 + i2) * n3 + i3);
@@ -548,6 +549,63 @@ TEST(NanPolicy, ScoresBeyondFltMaxOverLog2eStayExact) {
           EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
               << "row " << i;
         }
+      }
+    }
+  }
+}
+
+TEST(NanPolicy, ScoresBeyondFltMaxOverLog2eFromTheScaleStayExact) {
+  // The same range reached through `scale`: scale = 3e38, q = (1, 0), k = (1, 0) and (0.5, 0): scores 3e38 and
+  // 1.5e38. scale·log2 e overflows, so the prefill task keeps Q unscaled and scales the scores after Q·Kᵀ
+  // (post-scale), where q·k = 1 is small: the base-2 check must count the post-scale factor to see the overflow.
+  const float q[2] = {1.0f, 0.0f}, k[4] = {1.0f, 0.0f, 0.5f, 0.0f}, v[2] = {1.5f, -2.0f};
+  const double scale = double(3e38f);
+  const Output expected = two_key_softmax(scale * double(k[0]), scale * double(k[2]), v[0], v[1]);
+  for (const long sq : {1L, 20L}) {
+    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
+      const Output got = run_two_keys(backend, sq, q, k, v, 3e38f);
+      for (long i = 0; i < sq; ++i) {
+        EXPECT_EQ(got.out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
+        EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
+            << "row " << i;
+      }
+    }
+  }
+}
+
+TEST(NanPolicy, ScoresWithinRoundingOfFltMaxInBase2StayExact) {
+  // Found in review: the bound Σ|q'|·max|k| can sit just below FLT_MAX while the rounded FMA sum of Q·Kᵀ reaches ∞.
+  // D = 4, scale = 0.69314718 (scale·log2 e rounds to 1, so q' = q), every k_a component 1.3403708648589361e19:
+  // Σ q'_d·k_a,d = 3.4028e38 in base 2 is within a few ulp of FLT_MAX (the bound is 7e-10 below it), a finite
+  // 2.36e38 in base e. k_b = k_a / 2. The check's rounding margin must send the task to base e. Expected values
+  // from a float64 loop on the float inputs: one-hot on key a.
+  constexpr long D = 4;
+  const float q[D] = {5.591816521950167e18f, 5.87067521074253e18f, 7.06363818005391e18f, 6.86104876458967e18f};
+  const float k_a = 1.3403708648589361e19f, k_b = k_a / 2, scale = 0.69314718f;
+  const float v[2] = {1.5f, -2.0f};
+  double dot = 0;
+  for (long d = 0; d < D; ++d) dot += double(q[d]);
+  const Output expected =
+      two_key_softmax(dot * double(k_a) * double(scale), dot * double(k_b) * double(scale), v[0], v[1]);
+  std::vector<float> k(2 * D, k_a);
+  std::fill(k.begin() + D, k.end(), k_b);
+  for (const long sq : {1L, 20L}) {
+    std::vector<float> qs;
+    for (long i = 0; i < sq; ++i) qs.insert(qs.end(), q, q + D);
+    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
+      std::vector<float> out(static_cast<std::size_t>(sq), kNaNf), lse(static_cast<std::size_t>(sq), kNaNf);
+      qkv::AttentionOptions<float> options;
+      options.scale = scale;
+      options.backend = backend;
+      qkv::attention<float>(qkv::view_bhsd(qs.data(), 1, 1, sq, D), qkv::view_bhsd(k.data(), 1, 1, 2, D),
+                            qkv::view_bhsd(v, 1, 1, 2, 1), qkv::view_bhsd(out.data(), 1, 1, sq, 1),
+                            qkv::TensorView3<float>(lse.data(), {1, 1, sq}), options);
+      for (long i = 0; i < sq; ++i) {
+        EXPECT_EQ(out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
+        EXPECT_NEAR(lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
+            << "row " << i;
       }
     }
   }

@@ -793,12 +793,17 @@ class FusedAttention {
     return true;
   }
 
-  /// Whether the prefill task's scores all stay finite in base 2 (run_prefill_task): the finite part of q'·k is at
-  /// most Σ_d |q'_d| · max |k| over the finite q'_d and k (q' the Q block as begin_task left it, times the
-  /// post-scale factors if any), which must stay below FLT_MAX. The ±∞ and NaN terms are left out: they make the
-  /// score ±∞ or NaN in either base, so a call and the same call with such a key masked out keep one base (the NaN
-  /// policy's bit-identity). With softcap, bias or ALiBi, Q carries no log2(e) and each finished score is checked
-  /// instead. O(M·D), beside the task's O(M·Skv·D).
+  /// Whether the prefill task's scores all stay finite in base 2 (run_prefill_task). The finite part of a score
+  /// q'·k (q' the Q block as begin_task left it) is at most Σ_d |q'_d| · max |k| over the finite q'_d and k; the
+  /// check asks that bound, times the post-scale factors if any (each of q·k, q·k·scale and q·k·scale·log2 e must
+  /// stay finite) and a margin for the rounding of the D + 2 operations (e^((D + 3)·2⁻²³) ≥ (1 + 2⁻²⁴)^(D + 3)),
+  /// to stay below FLT_MAX. The ±∞ and NaN terms are left out (their scores are ±∞ or NaN already, and where an
+  /// infinite term meets a finite part that base 2 would overflow, that finite part fails the check): so a key
+  /// holding ±∞ or NaN does not change the base, and a call equals, bit for bit, the same call with that key's
+  /// values finite and the key masked out (the NaN policy's tests). A huge finite k switches the whole (sequence,
+  /// kv head) to base e even where it is hidden: the results differ from base 2 by rounding only. With softcap,
+  /// bias or ALiBi, Q carries no log2(e) and each finished score is checked instead. O(M·D), beside the task's
+  /// O(M·Skv·D).
   bool base2_fits(const FusedTask& t, const FusedScratch& s) const {
     if (s.masks[0].modifies_scores()) return true;
     constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -813,8 +818,10 @@ class FusedAttention {
       }
       l1_max = std::max(l1_max, l1);
     }
-    const double factor = s.post_scale ? std::fabs(double(s.score_scale) * double(s.score_base)) : 1.0;
-    const double bound = l1_max * double(key_abs_max_[kv_index(t.sequence, t.h_kv)]) * factor;
+    const double scale = std::fabs(double(s.score_scale));
+    const double factor = s.post_scale ? std::max({1.0, scale, scale * double(s.score_base)}) : 1.0;
+    const double rounding = std::exp(double(D + 3) * 0x1p-23);
+    const double bound = l1_max * double(key_abs_max_[kv_index(t.sequence, t.h_kv)]) * factor * rounding;
     return bound < double(std::numeric_limits<float>::max());
   }
 
@@ -1099,7 +1106,7 @@ class FusedAttention {
   AlignedBuffer packed_v_;  ///< V of prefill sequences, packed by pack_values
   std::vector<Index> packed_offset_;
   std::vector<Index> packed_v_offset_;
-  std::vector<float> key_abs_max_;  ///< per (sequence, kv head) of a prefill sequence: max |k| (pack_keys)
+  std::vector<float> key_abs_max_;  ///< per (sequence, kv head) of a prefill sequence: max finite |k| (pack_keys)
   std::vector<char> decode_;        ///< per sequence: K read in place (decoding) rather than packed
   std::vector<FusedTask> tasks_;
   Index partial_count_ = 0;
