@@ -31,9 +31,10 @@
 // sinks join the denominator at the end as a state with output 0 and lse = the sink logit; a prefill task whose
 // scores could overflow in base 2 (above FLT_MAX / log2 e) runs in base e (run_prefill_task, base2_fits).
 //
-// Split-K for decoding: a sequence with a single query tile and many keys splits its keys into chunks of
-// kSplitKeys (a number fixed by the shape, never by the thread count); each chunk is a task; the partial
-// (out, lse) states are merged in chunk order, so results are bit-identical for any number of threads.
+// Split-K: a sequence with a single query tile and many keys (decoding, and a short prefill against more than
+// kSplitKeys keys) splits its keys into chunks of kSplitKeys (a number fixed by the shape, never by the thread
+// count); each chunk is a task; the partial (out, lse) states, lse always in base e, are merged in chunk order, so
+// results are bit-identical for any number of threads.
 //
 // Decoding (Sq·G ≤ kDecodeRows) reads K and V in place, in blocks of kDecodeKeys = 1024 keys: one pass over the
 // block's K only (qk_in_place: 2 keys × 4 rows per step on AVX2, vertical accumulation, sums reduced four at a time),
@@ -98,7 +99,7 @@ struct FusedTiles {
   static constexpr int kStrip = 6;            ///< query rows per micro-kernel call: 6 × 2 accumulators
   static constexpr Index kBlockM = 96;        ///< stacked query rows per task (a multiple of kStrip)
   static constexpr Index kBlockN = 256;       ///< keys per tile (a multiple of every kPanel)
-  static constexpr Index kSplitKeys = 2048;   ///< keys per split-K chunk when decoding
+  static constexpr Index kSplitKeys = 2048;   ///< keys per split-K chunk (a single query tile)
   static constexpr Index kDecodeRows = 16;    ///< a sequence with Sq·G ≤ this reads K in place (no packing)
   static constexpr Index kDecodeKeys = 1024;  ///< keys per decoding block: all of its K, then all of its V
   static constexpr Index kDecodeSub = 64;     ///< keys per row-group pass when a decoding block has > 4 rows
