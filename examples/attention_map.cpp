@@ -18,7 +18,8 @@
 //
 // Usage: attention_map [output.svg] [data directory]
 //        (defaults: attention_map.svg in the current directory; tests/fixtures of the source tree this was built from)
-// By hand: g++ -std=c++17 -O2 -I include -I /usr/include/eigen3 examples/attention_map.cpp -o attention_map
+// By hand (safetensors.hpp needs nlohmann/json: Debian nlohmann-json3-dev):
+//   g++ -std=c++17 -O2 -I include -I /usr/include/eigen3 examples/attention_map.cpp -o attention_map
 // The README shows docs/attention_map.svg, written by this program: attention_map docs/attention_map.svg (from the
 // repository root).
 #include <algorithm>
@@ -29,9 +30,10 @@
 #include <iostream>
 #include <map>
 #include <qkv/qkv.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
+
+#include "safetensors.hpp"
 
 namespace {
 
@@ -59,32 +61,6 @@ bool read_npy(const std::string& path, MatrixF& m) {
     return false;
   m.resize(rows, cols);
   return static_cast<bool>(in.read(reinterpret_cast<char*>(m.data()), static_cast<std::streamsize>(m.size() * 4)));
-}
-
-/// The float32 arrays of a qkv fixture file (format: tests/fixtures/README.md); 1-D arrays become 1 × n rows.
-bool read_fixture(const std::string& path, std::map<std::string, MatrixF>& arrays) {
-  std::ifstream in(path, std::ios::binary);
-  std::string line;
-  if (!in || !std::getline(in, line) || line != "qkv-fixture 1") return false;
-  while (std::getline(in, line) && line != "end") {
-    std::istringstream header(line);
-    std::string name, dtype;
-    int rank = 0;
-    header >> name >> dtype >> rank;
-    long count = 1, cols = 1;
-    for (int axis = 0; axis < rank; ++axis) {
-      header >> cols;
-      count *= cols;
-    }
-    const std::size_t element = dtype == "f8" ? 8 : dtype == "f4" ? 4 : 1;
-    std::vector<char> bytes(static_cast<std::size_t>(count) * element);
-    if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) return false;
-    if (dtype != "f4") continue;  // only the float32 weights are needed here
-    MatrixF m(count / cols, cols);
-    std::memcpy(m.data(), bytes.data(), bytes.size());
-    arrays[name] = m;
-  }
-  return static_cast<bool>(in);
 }
 
 /// One panel of the figure.
@@ -233,11 +209,13 @@ int main(int argc, char** argv) {
   const std::string output = argc > 1 ? argv[1] : "attention_map.svg";
   const std::string data = argc > 2 ? argv[2] : default_data_directory();
   MatrixF X;
-  std::map<std::string, MatrixF> fixture;
+  safetensors::File file;
+  std::string error;
   if (!read_npy(data + "/ppocr_v4_block1_attention_input.npy", X) ||
-      !read_fixture(data + "/ppocr_v4_block1_attention.qkvt", fixture) || fixture.count("linear_77.w_0") == 0 ||
-      fixture.count("linear_78.w_0") == 0)
+      !safetensors::try_read(data + "/ppocr_v4_block1_attention.safetensors", file, error) ||
+      file.tensors.count("linear_77.w_0") == 0 || file.tensors.count("linear_78.w_0") == 0)
     return worked_example(output);
+  const std::map<std::string, MatrixF> fixture = safetensors::to_matrices<MatrixF>(file);  // 1-D: 1 × n rows
 
   // The layer as the model stores it (see examples/real_layer.cpp): X·W + b, W [in, out], Q | K | V side by side.
   qkv::MultiHeadAttention<float>::Config config;

@@ -15,7 +15,8 @@
 // then prints a summary and the largest differences; it exits with 1 if any exceeds 1e-5·max(1, max|expected|).
 //
 // Usage: real_layer [data directory]   (default: tests/fixtures of the source tree this file was compiled from)
-// By hand: g++ -std=c++17 -O2 -I include -I /usr/include/eigen3 examples/real_layer.cpp -o real_layer && ./real_layer
+// By hand (safetensors.hpp needs nlohmann/json: Debian nlohmann-json3-dev):
+//   g++ -std=c++17 -O2 -I include -I /usr/include/eigen3 examples/real_layer.cpp -o real_layer && ./real_layer
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,9 +27,9 @@
 #include <iostream>
 #include <map>
 #include <qkv/qkv.hpp>
-#include <sstream>
 #include <string>
-#include <vector>
+
+#include "safetensors.hpp"
 
 namespace {
 
@@ -69,38 +70,6 @@ bool read_npy(const std::string& path, MatrixF& m) {
   return in ? true : fail(path, "truncated");
 }
 
-using Arrays = std::map<std::string, MatrixD>;
-
-/// Reads the qkv fixture format (tests/fixtures/README.md) into `arrays`, widened to double; 1-D arrays become
-/// 1 × n rows.
-bool read_fixture(const std::string& path, Arrays& arrays) {
-  std::ifstream in(path, std::ios::binary);
-  std::string line;
-  if (!in || !std::getline(in, line) || line != "qkv-fixture 1") return fail(path, "cannot open or not a qkv fixture");
-  while (std::getline(in, line) && line != "end") {
-    std::istringstream header(line);
-    std::string name, dtype;
-    int rank = 0;
-    header >> name >> dtype >> rank;
-    if (dtype != "f4" && dtype != "f8") return fail(path, "unexpected dtype " + dtype);
-    std::vector<long> shape(static_cast<std::size_t>(rank));
-    for (long& e : shape) header >> e;
-    const long cols = rank == 0 ? 1 : shape.back(), rows = rank == 2 ? shape[0] : 1;
-    MatrixD m(rows, cols);
-    for (long i = 0; i < rows * cols; ++i) {
-      if (dtype == "f4") {
-        float x;
-        in.read(reinterpret_cast<char*>(&x), sizeof x);
-        m.data()[i] = x;
-      } else {
-        in.read(reinterpret_cast<char*>(&m.data()[i]), sizeof(double));
-      }
-    }
-    arrays[name] = m;
-  }
-  return in ? true : fail(path, "truncated");
-}
-
 /// LayerNorm over the features of each token: (x − mean) / sqrt(var + eps) · weight + bias (biased variance, as
 /// PyTorch and Paddle). Computed in double.
 MatrixD layer_norm(const MatrixD& x, const MatrixD& weight, const MatrixD& bias, double eps) {
@@ -120,12 +89,17 @@ double max_difference(const MatrixD& a, const MatrixD& b) { return (a - b).cwise
 int main(int argc, char** argv) {
   const std::string data = argc > 1 ? argv[1] : default_data_directory();
   MatrixF X, tokens;  // post-LayerNorm tokens (the attention input) and the same before LayerNorm, 40 × 120
-  Arrays fixture;
+  safetensors::File file;
+  std::string error;
   if (!read_npy(data + "/ppocr_v4_block1_attention_input.npy", X) ||
-      !read_npy(data + "/ppocr_v4_block1_tokens.npy", tokens) ||
-      !read_fixture(data + "/ppocr_v4_block1_attention.qkvt", fixture)) {
+      !read_npy(data + "/ppocr_v4_block1_tokens.npy", tokens)) {
     return 1;
   }
+  if (!safetensors::try_read(data + "/ppocr_v4_block1_attention.safetensors", file, error)) {
+    std::cerr << "real_layer: " << error << "\n";
+    return 1;
+  }
+  std::map<std::string, MatrixD> fixture = safetensors::to_matrices<MatrixD>(file);  // 1-D tensors: 1 × n rows
   for (const char* name : {"linear_77.w_0", "linear_77.b_0", "linear_78.w_0", "linear_78.b_0", "layer_norm_43.w_0",
                            "layer_norm_43.b_0", "torch_attention_f32", "torch_attention_f64", "torch_block_f64"}) {
     if (fixture.count(name) == 0) {

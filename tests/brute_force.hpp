@@ -1,6 +1,8 @@
-// tests/brute_force.hpp — an independent float64 brute-force attention, written from DESIGN.md's
+// tests/brute_force.hpp — an independent float64 brute-force attention, written from docs/design.md's
 // "Semantics every path shares" alone: plain loops over std::vector<double>, no Eigen, no qkv header.
-// It is the expected value the tests compare qkv against, so it favours being obviously right over speed.
+// It is the expected value the tests compare qkv against, so it favours being obviously right over speed. Its
+// visibility and score rules (`visible`, `finish_score`) also drive the plain float implementation of
+// support/plain_float.hpp and the fuzzer's checks.
 //
 // Layouts are dense row-major: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv];
 // out [B, Hq, Sq, Dv], lse [B, Hq, Sq], weights [B, Hq, Sq, Skv]. Varlen: B = 1 and sequence s owns rows
@@ -32,8 +34,13 @@ struct Broadcast4 {
   }
 };
 
-struct Params {
+/// Extents of one call: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv].
+struct Shape {
   long B = 1, Hq = 1, Hkv = 1, Sq = 0, Skv = 0, D = 1, Dv = 1;
+};
+
+/// A call's extents and options (every field of qkv::AttentionOptions but the backend, in double).
+struct Params : Shape {
   std::optional<double> scale;  // unset = 1/sqrt(D)
   double softcap = 0;           // 0 = off
   bool causal = false;
@@ -54,85 +61,139 @@ struct Result {
   std::vector<double> weights;  // [B, Hq, Sq, Skv]; 0 where hidden
 };
 
+/// Flat index of (i0, i1, i2, i3) in a dense row-major tensor of extents [*, n1, n2, n3].
+inline std::size_t flat(long n1, long n2, long n3, long i0, long i1, long i2, long i3) {
+  return static_cast<std::size_t>(((i0 * n1 + i1) * n2 + i2) * n3 + i3);
+}
+
+/// Calls visit(b, h, i) for every query row of the views [B, Hq, Sq], in their order.
+template <class Visit>
+void for_each_row(const Shape& shape, Visit visit) {
+  for (long b = 0; b < shape.B; ++b)
+    for (long h = 0; h < shape.Hq; ++h)
+      for (long i = 0; i < shape.Sq; ++i) visit(b, h, i);
+}
+
+/// One sequence of a call: batch entry `b` of the views, the rows [q0, q0 + sq) of q and [k0, k0 + skv) of k and v
+/// that it owns, and skv = Skv_b, its key count after key padding.
+struct Sequence {
+  long b = 0, q0 = 0, k0 = 0, sq = 0, skv = 0;
+};
+
+/// The sequences of a call in the views' order: one per batch entry, or one per varlen sequence (B = 1).
+inline std::vector<Sequence> sequences(const Params& p) {
+  std::vector<Sequence> result;
+  if (!p.cu_seqlens_q.empty()) {
+    for (std::size_t s = 0; s + 1 < p.cu_seqlens_q.size(); ++s) {
+      result.push_back({0, p.cu_seqlens_q[s], p.cu_seqlens_k[s], p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s],
+                        p.cu_seqlens_k[s + 1] - p.cu_seqlens_k[s]});
+    }
+    return result;
+  }
+  for (long b = 0; b < p.B; ++b)
+    result.push_back({b, 0, 0, p.Sq, p.key_lengths.empty() ? p.Skv : p.key_lengths[static_cast<std::size_t>(b)]});
+  return result;
+}
+
+/// The causal diagonal of query i of sequence s: i + (Skv_b − Sq_b) bottom-right, i top-left.
+inline long diag(const Params& p, const Sequence& s, long i) {
+  return p.alignment == Alignment::bottom_right ? i + (s.skv - s.sq) : i;
+}
+
+/// Whether query i of sequence s and query head h may see key j of that sequence by every rule that does not need
+/// the score: key padding, causal, the window (keys j < global_tokens exempt), `allowed`, a −∞ bias. (A −∞ score
+/// hides the key too.)
+inline bool visible(const Params& p, const Sequence& s, long h, long i, long j) {
+  if (j < 0 || j >= s.skv) return false;
+  const long d = diag(p, s, i);
+  if (p.causal && j > d) return false;
+  if (j >= p.global_tokens) {
+    if (p.window_left >= 0 && j < d - p.window_left) return false;
+    if (p.window_right >= 0 && j > d + p.window_right) return false;
+  }
+  if (p.allowed && !p.allowed->at(s.b, h, s.q0 + i, s.k0 + j)) return false;
+  if (p.bias && p.bias->at(s.b, h, s.q0 + i, s.k0 + j) == -std::numeric_limits<double>::infinity()) return false;
+  return true;
+}
+
+/// The score of a visible key from its scaled dot product q_i·k_j·scale, in T (double here; float in the plain
+/// float implementation of tests/support/plain_float.hpp): softcap, then bias, then ALiBi.
+template <class T>
+T finish_score(const Params& p, const Sequence& s, long h, long i, long j, T scaled) {
+  T score = scaled;
+  if (p.softcap > 0) score = static_cast<T>(p.softcap) * std::tanh(score / static_cast<T>(p.softcap));
+  if (p.bias) score += static_cast<T>(p.bias->at(s.b, h, s.q0 + i, s.k0 + j));
+  if (!p.alibi_slopes.empty()) {
+    score -= static_cast<T>(p.alibi_slopes[static_cast<std::size_t>(h)]) * static_cast<T>(std::abs(diag(p, s, i) - j));
+  }
+  return score;
+}
+
 inline Result attention(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
                         const Params& p) {
   const double inf = std::numeric_limits<double>::infinity();
-  const auto at = [](long n1, long n2, long n3, long i0, long i1, long i2, long i3) {
-    return static_cast<std::size_t>(((i0 * n1 + i1) * n2 + i2) * n3 + i3);
-  };
   Result r;
   r.out.assign(static_cast<std::size_t>(p.B * p.Hq * p.Sq * p.Dv), 0.0);
   r.lse.assign(static_cast<std::size_t>(p.B * p.Hq * p.Sq), -inf);
   r.weights.assign(static_cast<std::size_t>(p.B * p.Hq * p.Sq * p.Skv), 0.0);
   const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(p.D));
-  const bool varlen = !p.cu_seqlens_q.empty();
-  const long n_sequences = varlen ? static_cast<long>(p.cu_seqlens_q.size()) - 1 : p.B;
   const long group = p.Hq / p.Hkv;  // GQA: query head h reads key/value head h / group
 
-  for (long s = 0; s < n_sequences; ++s) {
-    const long b = varlen ? 0 : s;
-    const long q0 = varlen ? p.cu_seqlens_q[s] : 0;  // first row of this sequence in q
-    const long k0 = varlen ? p.cu_seqlens_k[s] : 0;  // first row of this sequence in k and v
-    const long Sq_b = varlen ? p.cu_seqlens_q[s + 1] - q0 : p.Sq;
-    const long Skv_b = varlen ? p.cu_seqlens_k[s + 1] - k0 : (p.key_lengths.empty() ? p.Skv : p.key_lengths[b]);
+  for (const Sequence& s : sequences(p)) {
+    const long b = s.b;
     for (long h = 0; h < p.Hq; ++h) {
       const long h_kv = h / group;
-      for (long i = 0; i < Sq_b; ++i) {
-        const long row = q0 + i;
-        const long diag = p.alignment == Alignment::bottom_right ? i + (Skv_b - Sq_b) : i;
-        std::vector<double> score(static_cast<std::size_t>(Skv_b), 0.0);
-        std::vector<bool> visible(static_cast<std::size_t>(Skv_b), false);
-        for (long j = 0; j < Skv_b; ++j) {  // keys j >= Skv_b are hidden: never looked at
-          const long col = k0 + j;
-          bool hidden = p.causal && j > diag;
-          if (j >= p.global_tokens) {
-            if (p.window_left >= 0 && j < diag - p.window_left) hidden = true;
-            if (p.window_right >= 0 && j > diag + p.window_right) hidden = true;
-          }
-          if (p.allowed && !p.allowed->at(b, h, row, col)) hidden = true;
-          const double bias = p.bias ? p.bias->at(b, h, row, col) : 0.0;
-          if (bias == -inf) hidden = true;
-          if (hidden) continue;  // select, never multiply: k and v of hidden keys are not read
+      for (long i = 0; i < s.sq; ++i) {
+        const long row = s.q0 + i;
+        std::vector<double> score(static_cast<std::size_t>(s.skv), 0.0);
+        std::vector<bool> visible_key(static_cast<std::size_t>(s.skv), false);
+        for (long j = 0; j < s.skv; ++j) {  // keys j >= Skv_b are hidden: never looked at
+          const long col = s.k0 + j;
+          if (!visible(p, s, h, i, j)) continue;  // select, never multiply: k and v of hidden keys are not read
           double dot = 0;
           for (long d = 0; d < p.D; ++d)
-            dot += q[at(p.Hq, p.Sq, p.D, b, h, row, d)] * k[at(p.Hkv, p.Skv, p.D, b, h_kv, col, d)];
-          double s_ij = dot * scale;
-          if (p.softcap > 0) s_ij = p.softcap * std::tanh(s_ij / p.softcap);
-          s_ij += bias;
-          if (!p.alibi_slopes.empty()) s_ij -= p.alibi_slopes[h] * std::abs(static_cast<double>(diag - j));
+            dot += q[flat(p.Hq, p.Sq, p.D, b, h, row, d)] * k[flat(p.Hkv, p.Skv, p.D, b, h_kv, col, d)];
+          const double s_ij = finish_score(p, s, h, i, j, dot * scale);
           if (s_ij == -inf) continue;
           score[j] = s_ij;
-          visible[j] = true;
+          visible_key[j] = true;
         }
         const bool has_sink = !p.sinks.empty();
         const double sink = has_sink ? p.sinks[h] : -inf;
         bool any = false;
         double m = sink;  // the row maximum, sink included; NaN propagates
-        for (long j = 0; j < Skv_b; ++j)
-          if (visible[j]) {
+        for (long j = 0; j < s.skv; ++j)
+          if (visible_key[j]) {
             any = true;
             if (std::isnan(score[j]) || score[j] > m) m = score[j];
           }
-        const std::size_t lse_at = at(p.Hq, p.Sq, 1, b, h, row, 0);
+        const std::size_t lse_at = flat(p.Hq, p.Sq, 1, b, h, row, 0);
         if (!any) {  // no visible key: zeros (already there) and lse = log 0, or the sink logit
           r.lse[lse_at] = sink;
           continue;
         }
         double denominator = has_sink ? std::exp(sink - m) : 0.0;
-        for (long j = 0; j < Skv_b; ++j)
-          if (visible[j]) denominator += std::exp(score[j] - m);
+        for (long j = 0; j < s.skv; ++j)
+          if (visible_key[j]) denominator += std::exp(score[j] - m);
         r.lse[lse_at] = m + std::log(denominator);
-        for (long j = 0; j < Skv_b; ++j) {
-          if (!visible[j]) continue;
+        for (long j = 0; j < s.skv; ++j) {
+          if (!visible_key[j]) continue;
           const double w = std::exp(score[j] - m) / denominator;
-          r.weights[at(p.Hq, p.Sq, p.Skv, b, h, row, k0 + j)] = w;
+          r.weights[flat(p.Hq, p.Sq, p.Skv, b, h, row, s.k0 + j)] = w;
           for (long d = 0; d < p.Dv; ++d)
-            r.out[at(p.Hq, p.Sq, p.Dv, b, h, row, d)] += w * v[at(p.Hkv, p.Skv, p.Dv, b, h_kv, k0 + j, d)];
+            r.out[flat(p.Hq, p.Sq, p.Dv, b, h, row, d)] += w * v[flat(p.Hkv, p.Skv, p.Dv, b, h_kv, s.k0 + j, d)];
         }
       }
     }
   }
   return r;
+}
+
+/// The sum of query (b, h, i)'s weights: 0 for a row that sees no key (i is the row in the views).
+inline double row_weight_sum(const Result& r, const Params& p, long b, long h, long i) {
+  double sum = 0;
+  for (long j = 0; j < p.Skv; ++j) sum += r.weights[flat(p.Hq, p.Sq, p.Skv, b, h, i, j)];
+  return sum;
 }
 
 }  // namespace brute

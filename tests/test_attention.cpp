@@ -5,63 +5,29 @@
 
 #include <cmath>
 #include <limits>
-#include <string>
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "support/expect_shape_error.hpp"
+#include "support/problem.hpp"
 
 namespace {
 
 using qkv::Index;
 using qkv::TensorView3;
 using qkv::TensorView4;
+using qkv_test::expect_shape_error;
+using Call = qkv_test::ValidCall;  // each test breaks one thing of a valid call
+using VarlenCall = qkv_test::ValidVarlenCall;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-/// Buffers for a valid call q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv], out, lse; each test breaks one thing.
-struct Call {
-  Index B = 2, Hq = 4, Hkv = 2, Sq = 3, Skv = 5, D = 4, Dv = 3;
-  std::vector<float> q_data, k_data, v_data, out_data, lse_data;
-  TensorView4<const float> q, k, v;
-  TensorView4<float> out;
-  TensorView3<float> lse;
-  qkv::AttentionOptions<float> options;
-
-  Call() {
-    q_data.assign(static_cast<std::size_t>(B * Hq * Sq * D), 0.5f);
-    k_data.assign(static_cast<std::size_t>(B * Hkv * Skv * D), 0.25f);
-    v_data.assign(static_cast<std::size_t>(B * Hkv * Skv * Dv), 1.0f);
-    out_data.assign(static_cast<std::size_t>(B * Hq * Sq * Dv), 0.0f);
-    lse_data.assign(static_cast<std::size_t>(B * Hq * Sq), 0.0f);
-    q = TensorView4<const float>(q_data.data(), {B, Hq, Sq, D});
-    k = TensorView4<const float>(k_data.data(), {B, Hkv, Skv, D});
-    v = TensorView4<const float>(v_data.data(), {B, Hkv, Skv, Dv});
-    out = TensorView4<float>(out_data.data(), {B, Hq, Sq, Dv});
-    lse = TensorView3<float>(lse_data.data(), {B, Hq, Sq});
-  }
-  void run() { qkv::attention(q, k, v, out, options); }
-  void run_with_lse() { qkv::attention(q, k, v, out, lse, options); }
-};
-
-/// Runs `call` and expects a shape_error whose message contains every one of `parts`.
-template <class F>
-void expect_shape_error(F call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected qkv::shape_error";
-  } catch (const qkv::shape_error& e) {
-    const std::string message = e.what();
-    EXPECT_NE(message.find("qkv::"), std::string::npos) << message;
-    for (const auto& part : parts) EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
-  }
-}
 
 TEST(AttentionErrors, ValidCallDoesNotThrow) {
   Call c;
   EXPECT_NO_THROW(c.run_with_lse());
   // Every output row of this all-visible call is the mean of the (constant) values: 1.
-  for (float x : c.out_data) EXPECT_FLOAT_EQ(x, 1.0f);
+  for (float x : c.out_elements()) EXPECT_FLOAT_EQ(x, 1.0f);
 }
 
 TEST(AttentionErrors, NegativeExtent) {
@@ -72,7 +38,8 @@ TEST(AttentionErrors, NegativeExtent) {
 
 TEST(AttentionErrors, NegativeStride) {
   Call c;
-  c.k = TensorView4<const float>(c.k_data.data(), {c.B, c.Hkv, c.Skv, c.D}, {c.Hkv * c.Skv * c.D, c.Skv * c.D, -c.D, 1});
+  c.k =
+      TensorView4<const float>(c.k_data.data(), {c.B, c.Hkv, c.Skv, c.D}, {c.Hkv * c.Skv * c.D, c.Skv * c.D, -c.D, 1});
   expect_shape_error([&] { c.run(); }, {"k axis 2 (Skv)", "negative stride"});
 }
 
@@ -96,7 +63,8 @@ TEST(AttentionErrors, BatchMismatch) {
 
 TEST(AttentionErrors, HeadDimMismatch) {
   Call c;
-  c.k = TensorView4<const float>(c.k_data.data(), {c.B, c.Hkv, c.Skv / 2, 2 * c.D}, {c.Hkv * c.Skv * c.D, c.Skv * c.D, 2 * c.D, 1});
+  c.k = TensorView4<const float>(c.k_data.data(), {c.B, c.Hkv, c.Skv / 2, 2 * c.D},
+                                 {c.Hkv * c.Skv * c.D, c.Skv * c.D, 2 * c.D, 1});
   expect_shape_error([&] { c.run(); }, {"k axis 3 (D) has extent 8, expected 4"});
 }
 
@@ -246,18 +214,6 @@ TEST(AttentionErrors, AllowedAndBiasShapes) {
   EXPECT_NO_THROW(g.run());
 }
 
-struct VarlenCall : Call {
-  VarlenCall() {
-    B = 1;
-    q = TensorView4<const float>(q_data.data(), {1, Hq, 6, D});
-    k = TensorView4<const float>(k_data.data(), {1, Hkv, 10, D});
-    v = TensorView4<const float>(v_data.data(), {1, Hkv, 10, Dv});
-    out = TensorView4<float>(out_data.data(), {1, Hq, 6, Dv});
-    options.cu_seqlens_q = {0, 2, 6};
-    options.cu_seqlens_k = {0, 7, 10};
-  }
-};
-
 TEST(AttentionErrors, Varlen) {
   VarlenCall ok;
   EXPECT_NO_THROW(ok.run());
@@ -298,7 +254,7 @@ TEST(AttentionErrors, FusedBackendExistsForFloatOnly) {
   Call c;
   c.options.backend = qkv::Backend::fused;
   EXPECT_NO_THROW(c.run());
-  for (float x : c.out_data) EXPECT_FLOAT_EQ(x, 1.0f);
+  for (float x : c.out_elements()) EXPECT_FLOAT_EQ(x, 1.0f);
   // double has no fused kernel: an explicit request throws; automatic and reference run the reference path.
   std::vector<double> q(2 * 4 * 3 * 4, 0.5), k(2 * 2 * 5 * 4, 0.25), v(2 * 2 * 5 * 3, 1.0), out(2 * 4 * 3 * 3, 0.0);
   qkv::AttentionOptions<double> o;
@@ -353,8 +309,8 @@ struct MergeCall {
 
 TEST(MergeAttentionStates, EqualLseAveragesAndAddsLog2) {
   MergeCall m;
-  qkv::merge_attention_states(m.view4(m.a_out), m.view3(m.a_lse), m.view4(m.b_out), m.view3(m.b_lse),
-                              m.view4(m.out), m.view3(m.lse));
+  qkv::merge_attention_states(m.view4(m.a_out), m.view3(m.a_lse), m.view4(m.b_out), m.view3(m.b_lse), m.view4(m.out),
+                              m.view3(m.lse));
   for (float x : m.out) EXPECT_FLOAT_EQ(x, 1.5f);
   for (float x : m.lse) EXPECT_FLOAT_EQ(x, std::log(2.0f));
 }
@@ -363,8 +319,9 @@ TEST(MergeAttentionStates, Errors) {
   MergeCall m;
   expect_shape_error(
       [&] {
-        qkv::merge_attention_states(m.view4(m.a_out), m.view3(m.a_lse), TensorView4<float>(m.b_out.data(), {1, 2, 4, 2}),
-                                    m.view3(m.b_lse), m.view4(m.out), m.view3(m.lse));
+        qkv::merge_attention_states(m.view4(m.a_out), m.view3(m.a_lse),
+                                    TensorView4<float>(m.b_out.data(), {1, 2, 4, 2}), m.view3(m.b_lse), m.view4(m.out),
+                                    m.view3(m.lse));
       },
       {"out_b axis 3 (Dv) has extent 2, expected 3"});
   expect_shape_error(

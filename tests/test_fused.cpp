@@ -1,9 +1,9 @@
 // Tests of the fused kernel (include/qkv/detail/fused_attention.hpp, Backend::fused) against the float64
 // reference (reference.hpp, itself checked against an independent brute force in test_reference.cpp).
 //
-// Criterion (DESIGN.md, Accuracy; FlashAttention's own test rule): over each call's output, the fused float
+// Criterion (docs/design.md, Accuracy; FlashAttention's own test rule): over each call's output, the fused float
 // error against float64 is at most 2 × the error of a plain float implementation (materialized S, softmax and
-// P·V, all in float, written below) + 1e-6·max(1, max|V|); NaN appears exactly where float64 has NaN.
+// P·V, all in float: support/plain_float.hpp) + 1e-6·max(1, max|V|); NaN appears exactly where float64 has NaN.
 // A randomized grid over D, Sq, Skv, every option and combinations, GQA groups, BSHD and BHSD strides and varlen
 // batches; the `quick` label runs a slice (the Quick suite), `full` all of it (QKV_FUSED_FULL=1).
 #include <gtest/gtest.h>
@@ -22,6 +22,9 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/simd/simd.hpp"
+#include "support/options.hpp"
+#include "support/plain_float.hpp"
+#include "support/type_lists.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -33,12 +36,12 @@ namespace {
 
 using qkv::Index;
 
-struct Case {
-  Index B = 1, Hq = 1, Hkv = 1, Sq = 1, Skv = 1, D = 8, Dv = 8;
+/// A case: its shape (brute::Shape: B, Hq, Hkv, Sq, Skv, D, Dv), layout, options and the storage behind them.
+struct Case : brute::Shape {
   bool bshd = false;
-  qkv::AttentionOptions<float> options;
-  std::vector<float> bias;  // storage behind options.bias
-  std::vector<char> allowed;
+  qkv::AttentionOptions<float> options{};
+  std::vector<float> bias{};  // storage behind options.bias
+  std::vector<char> allowed{};
   /// Component 0 of every key set to 3e38 and of every query to 0: the scores do not change (0 · 3e38 = 0 in float
   /// and double), but the base-2 check's bound Σ|q'|·max|k| (run_prefill_task, base2_fits) passes FLT_MAX as soon
   /// as Σ|q'| of some row of a task exceeds 1.14, so that task runs its softmax in base e. Without softcap, bias or
@@ -61,45 +64,6 @@ struct Case {
 template <class T>
 qkv::TensorView4<T> make_view(T* data, Index B, Index H, Index S, Index D, bool bshd) {
   return bshd ? qkv::view_bshd(data, B, S, H, D) : qkv::view_bhsd(data, B, H, S, D);
-}
-
-/// Plain float attention: materialized scores, softmax and P·V in float, one (sequence, head) at a time.
-void plain_float(const Case& c, const qkv::TensorView4<const float>& q, const qkv::TensorView4<const float>& k,
-                 const qkv::TensorView4<const float>& v, const qkv::TensorView4<float>& out) {
-  const auto& o = c.options;
-  const bool varlen = !o.cu_seqlens_q.empty();
-  const Index sequences = varlen ? static_cast<Index>(o.cu_seqlens_q.size()) - 1 : c.B;
-  const float kNegInf = -std::numeric_limits<float>::infinity();
-  for (Index s = 0; s < sequences; ++s) {
-    const std::size_t ss = static_cast<std::size_t>(s);
-    const Index b = varlen ? 0 : s;
-    const Index q0 = varlen ? o.cu_seqlens_q[ss] : 0, k0 = varlen ? o.cu_seqlens_k[ss] : 0;
-    const Index sq = varlen ? o.cu_seqlens_q[ss + 1] - q0 : c.Sq;
-    const Index skv = varlen ? o.cu_seqlens_k[ss + 1] - k0 : (o.key_lengths.empty() ? c.Skv : o.key_lengths[ss]);
-    for (Index h = 0; h < c.Hq; ++h) {
-      const Index h_kv = h / (c.Hq / c.Hkv);
-      const auto mask = qkv::HeadMask<float>::make(o, b, h, sq, skv, c.D);
-      std::vector<float> p(static_cast<std::size_t>(skv));
-      for (Index i = 0; i < sq; ++i) {
-        float m = o.sinks.empty() ? kNegInf : o.sinks[static_cast<std::size_t>(h)];
-        for (Index j = 0; j < skv; ++j) {
-          float dot = 0;
-          for (Index d = 0; d < c.D; ++d) dot += q(b, h, q0 + i, d) * k(b, h_kv, k0 + j, d);
-          p[static_cast<std::size_t>(j)] = mask.visible(i, j) ? mask.score(dot, i, j) : kNegInf;
-          m = std::max(m, p[static_cast<std::size_t>(j)]);
-        }
-        float sum = o.sinks.empty() || m == kNegInf ? 0.0f : std::exp(o.sinks[static_cast<std::size_t>(h)] - m);
-        for (auto& x : p) sum += (x = (x == kNegInf ? 0.0f : std::exp(x - m)));
-        for (Index d = 0; d < c.Dv; ++d) {
-          float acc = 0;
-          for (Index j = 0; j < skv; ++j) {
-            if (p[static_cast<std::size_t>(j)] != 0.0f) acc += p[static_cast<std::size_t>(j)] * v(b, h_kv, k0 + j, d);
-          }
-          out(b, h, q0 + i, d) = sum > 0 ? acc / sum : 0.0f;
-        }
-      }
-    }
-  }
 }
 
 /// Runs one case: fused vs float64 reference vs plain float; asserts the accuracy rule and NaN placement.
@@ -134,31 +98,15 @@ void check_case(Case& c, unsigned seed) {
   c.options.backend = qkv::Backend::fused;
   qkv::attention(q, k, v, make_view(fused.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd),
                  qkv::TensorView3<float>(fused_lse.data(), {c.B, c.Hq, q_rows}), c.options);
-  plain_float(c, q, k, v, make_view(plain.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd));
+  const brute::Params call = qkv_test::to_brute(c.options, c);  // the call as the support helpers take it
+  qkv_test::plain_float(q, k, v, call, make_view(plain.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd), {});
 
-  qkv::AttentionOptions<double> o64;
-  const auto& o = c.options;
-  if (o.scale) o64.scale = *o.scale;
-  o64.softcap = o.softcap;
-  o64.causal = o.causal;
-  o64.alignment = o.alignment;
-  o64.window_left = o.window_left;
-  o64.window_right = o.window_right;
-  o64.global_tokens = o.global_tokens;
-  o64.key_lengths = o.key_lengths;
-  o64.allowed = o.allowed;
-  std::vector<double> bias64(c.bias.begin(), c.bias.end());
-  if (!c.bias.empty()) o64.bias = qkv::TensorView4<const double>(bias64.data(), o.bias.extents(), o.bias.strides());
-  o64.alibi_slopes.assign(o.alibi_slopes.begin(), o.alibi_slopes.end());
-  o64.sinks.assign(o.sinks.begin(), o.sinks.end());
-  o64.cu_seqlens_q = o.cu_seqlens_q;
-  o64.cu_seqlens_k = o.cu_seqlens_k;
-  o64.backend = qkv::Backend::reference;
+  const auto o64 = qkv_test::from_brute<double>(call, qkv::Backend::reference);
   qkv::attention(make_view<const double>(qd64.data(), c.B, c.Hq, q_rows, c.D, c.bshd),
                  make_view<const double>(kd64.data(), c.B, c.Hkv, k_rows, c.D, c.bshd),
                  make_view<const double>(vd64.data(), c.B, c.Hkv, k_rows, c.Dv, c.bshd),
                  make_view(ref.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd),
-                 qkv::TensorView3<double>(ref_lse.data(), {c.B, c.Hq, q_rows}), o64);
+                 qkv::TensorView3<double>(ref_lse.data(), {c.B, c.Hq, q_rows}), o64.options);
 
   double err_fused = 0, err_plain = 0, max_v = 0;
   for (float x : vd) max_v = std::max(max_v, std::fabs(double(x)));
@@ -291,12 +239,7 @@ TEST(Fused, PrefillRerunInBaseEAfterALateOverflow) {
   // row's max, sum and output through two key tiles and most strips of the third when the finished score
   // overflows; the task must start again in base e from a clean state. GQA 2/1 (80 stacked rows), causal, against
   // the float64 reference under the grid's rule; that row is one-hot on the biased key.
-  Case c;
-  c.Hq = 2;
-  c.Hkv = 1;
-  c.Sq = 40;
-  c.Skv = 600;
-  c.D = c.Dv = 16;
+  Case c{{1, 2, 1, 40, 600, 16, 16}};
   c.options.causal = true;
   c.options.alignment = qkv::CausalAlignment::bottom_right;
   c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.0f);
@@ -307,20 +250,11 @@ TEST(Fused, PrefillRerunInBaseEAfterALateOverflow) {
 
 TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {
   // Decoding shape (Sq = 1, GQA 8/2, Skv = 5000 > one split chunk): split-K merge vs the reference.
-  Case c;
-  c.Hq = 8;
-  c.Hkv = 2;
-  c.Sq = 1;
-  c.Skv = 5000;
-  c.D = c.Dv = 64;
+  Case c{{1, 8, 2, 1, 5000, 64, 64}};
   c.options.causal = true;
   check_case(c, 5);
   // NaN in hidden K/V slots: past key_lengths (not read) and under a false `allowed`.
-  Case d;
-  d.B = 1;
-  d.Sq = 5;
-  d.Skv = 40;
-  d.D = d.Dv = 16;
+  Case d{{1, 1, 1, 5, 40, 16, 16}};
   d.allowed.assign(40, 1);
   d.allowed[7] = 0;
   d.options.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(d.allowed.data()), {1, 1, 1, 40});
@@ -431,20 +365,9 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
 }
 
 // The kernel for every SIMD tag the build enables, in one binary: FusedAttention<Tag> against the reference.
-using KernelTags = ::testing::Types<qkv::simd::ScalarTag
-#if defined(__AVX2__) && defined(__FMA__)
-                                    ,
-                                    qkv::simd::Avx2Tag
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-                                    ,
-                                    qkv::simd::Avx512Tag
-#endif
-                                    >;
-
 template <class Tag>
 struct FusedPerTag : ::testing::Test {};
-TYPED_TEST_SUITE(FusedPerTag, KernelTags, );
+TYPED_TEST_SUITE(FusedPerTag, qkv_test::SimdTags, );
 
 TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
   std::mt19937 rng(31);
@@ -465,22 +388,18 @@ TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
     const auto vv = qkv::view_bhsd<const float>(v.data(), 1, Hkv, Skv, Dv);
     const auto ov = qkv::view_bhsd(out.data(), 1, Hq, Sq, Dv);
     const auto shape = qkv::detail::validate<float>("test", qv, kv, &vv, &ov, nullptr, o);
-    qkv::detail::FusedAttention<TypeParam>(shape, qv, kv, vv, ov, nullptr, o).run();
+    const auto params = qkv::detail::resolve_params(o, D);
+    qkv::detail::FusedAttention<TypeParam>(shape, qv, kv, vv, ov, nullptr, params).run();
     // Expected: the float64 reference on the same (float) inputs.
+    const brute::Params call = qkv_test::to_brute(o, {1, Hq, Hkv, Sq, Skv, D, Dv});
     std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), ref(out.size());
-    qkv::AttentionOptions<double> o64;
-    o64.causal = o.causal;
-    o64.window_left = o.window_left;
     qkv::attention(qkv::view_bhsd<const double>(q64.data(), 1, Hq, Sq, D),
                    qkv::view_bhsd<const double>(k64.data(), 1, Hkv, Skv, D),
                    qkv::view_bhsd<const double>(v64.data(), 1, Hkv, Skv, Dv), qkv::view_bhsd(ref.data(), 1, Hq, Sq, Dv),
-                   o64);
-    // The accuracy rule, with the plain float implementation of this file as the yardstick.
-    Case c;
-    c.Hq = Hq, c.Hkv = Hkv, c.Sq = Sq, c.Skv = Skv, c.D = D, c.Dv = Dv;
-    c.options = o;
+                   qkv_test::from_brute<double>(call).options);
+    // The accuracy rule, with the plain float implementation as the yardstick.
     std::vector<float> plain(out.size());
-    plain_float(c, qv, kv, vv, qkv::view_bhsd(plain.data(), 1, Hq, Sq, Dv));
+    qkv_test::plain_float(qv, kv, vv, call, qkv::view_bhsd(plain.data(), 1, Hq, Sq, Dv), {});
     double err = 0, err_plain = 0, max_v = 0;
     for (std::size_t n = 0; n < out.size(); ++n) {
       err = std::max(err, std::fabs(out[n] - ref[n]));

@@ -10,28 +10,20 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <random>
-#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "qkv/inspect.hpp"
 #include "qkv/sdpa.hpp"
+#include "support/expect_shape_error.hpp"
+#include "support/problem.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
 using qkv::Index;
 using qkv::Matrix;
-
-template <class T>
-Matrix<T> random_matrix(Index rows, Index cols, unsigned seed, double scale = 1.0) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal(0.0, scale);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(normal(rng));
-  return m;
-}
+using qkv_test::random_matrix;
 
 template <class T>
 qkv::MultiHeadAttention<T> random_module(Index d_model, Index n_heads, Index n_kv_heads, Index head_dim,
@@ -123,8 +115,7 @@ const auto kAll = [](Index, Index, Index) { return true; };
 
 template <class T>
 struct Inspect : ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Inspect, Scalars, );
+TYPED_TEST_SUITE(Inspect, qkv_test::Scalars, );
 
 /// Accuracy of a float or double module output against float64 (projections of a few terms and the attention path
 /// each within about 1e-6 relative in float), with margin.
@@ -397,17 +388,7 @@ TYPED_TEST(Inspect, KeyAblationMatchesBruteForceWithMasks) {
 
 // ---- errors --------------------------------------------------------------------------------------------------------
 
-template <class F>
-void expect_shape_error(F call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected qkv::shape_error";
-  } catch (const qkv::shape_error& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
-  }
-}
+using qkv_test::expect_shape_error;
 
 TEST(InspectErrors, EveryThrow) {
   using Maps = std::vector<std::vector<Matrix<double>>>;

@@ -8,6 +8,7 @@
 // how the document's message column is written).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdlib>
 #include <exception>
 #include <fstream>
@@ -16,12 +17,14 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "qkv/qkv.hpp"
+#include "support/problem.hpp"
 
 #ifndef QKV_MALFORMED_DOC
 #error "QKV_MALFORMED_DOC must be the path of docs/malformed_inputs.md (set by tests/CMakeLists.txt)"
@@ -34,38 +37,10 @@ using qkv::TensorView3;
 using qkv::TensorView4;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr std::size_t kRoom = 4096;  // every buffer is this large, so no malformed view points past its buffer
+constexpr std::size_t kRoom = qkv_test::ValidCall::kRoom;  // every buffer's size: no malformed view points past it
 
-/// A valid core call q [2, 4, 3, 4], k [2, 2, 5, 4], v [2, 2, 5, 3] → out [2, 4, 3, 3], lse [2, 4, 3]; each row
-/// breaks one thing.
-struct Call {
-  static constexpr Index B = 2, Hq = 4, Hkv = 2, Sq = 3, Skv = 5, D = 4, Dv = 3;
-  std::vector<float> q_data = std::vector<float>(kRoom, 0.5f), k_data = std::vector<float>(kRoom, 0.25f),
-                     v_data = std::vector<float>(kRoom, 1.0f), out_data = std::vector<float>(kRoom, 0.0f),
-                     lse_data = std::vector<float>(kRoom, 0.0f), bias_data = std::vector<float>(kRoom, 0.0f);
-  std::unique_ptr<bool[]> allowed_data{new bool[kRoom]()};
-  TensorView4<const float> q{q_data.data(), {B, Hq, Sq, D}};
-  TensorView4<const float> k{k_data.data(), {B, Hkv, Skv, D}};
-  TensorView4<const float> v{v_data.data(), {B, Hkv, Skv, Dv}};
-  TensorView4<float> out{out_data.data(), {B, Hq, Sq, Dv}};
-  TensorView3<float> lse{lse_data.data(), {B, Hq, Sq}};
-  qkv::AttentionOptions<float> options;
-
-  void run() { qkv::attention(q, k, v, out, options); }
-  void run_with_lse() { qkv::attention(q, k, v, out, lse, options); }
-};
-
-/// A valid varlen call: B = 1, sequences of 2 and 4 queries over 7 and 3 keys.
-struct VarlenCall : Call {
-  VarlenCall() {
-    q = TensorView4<const float>(q_data.data(), {1, Hq, 6, D});
-    k = TensorView4<const float>(k_data.data(), {1, Hkv, 10, D});
-    v = TensorView4<const float>(v_data.data(), {1, Hkv, 10, Dv});
-    out = TensorView4<float>(out_data.data(), {1, Hq, 6, Dv});
-    options.cu_seqlens_q = {0, 2, 6};
-    options.cu_seqlens_k = {0, 7, 10};
-  }
-};
+using Call = qkv_test::ValidCall;  // a valid core call; each row breaks one thing
+using VarlenCall = qkv_test::ValidVarlenCall;
 
 /// merge_attention_states over [1, 2, 4, 3] states.
 struct MergeCall {
@@ -90,6 +65,30 @@ qkv::MultiHeadAttention<float> small_module() {
   return qkv::MultiHeadAttention<float>(config);
 }
 
+/// A core call whose view `member` (q, k, v or out) is replaced by a view of the same buffer with `extents`.
+template <class View>
+std::function<void()> core_with_extents(View Call::*member, std::array<Index, 4> extents) {
+  return [=] {
+    Call c;
+    c.*member = View((c.*member).data(), extents);
+    c.run();
+  };
+}
+
+/// scaled_dot_product_attention on all-one Q, K and V of the given shapes (rows, columns), with `heads` when given.
+std::function<void()> sdpa_on_ones(std::array<Index, 2> q, std::array<Index, 2> k, std::array<Index, 2> v,
+                                   std::optional<qkv::Heads> heads = std::nullopt) {
+  return [=] {
+    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(q[0], q[1]), K = qkv::Matrix<float>::Ones(k[0], k[1]),
+                             V = qkv::Matrix<float>::Ones(v[0], v[1]);
+    if (heads) {
+      (void)qkv::scaled_dot_product_attention(Q, K, V, *heads);
+    } else {
+      (void)qkv::scaled_dot_product_attention(Q, K, V);
+    }
+  };
+}
+
 struct Row {
   std::string id;        // M01, M02, …
   std::string input;     // what is malformed, as the document's "input" column says it
@@ -108,11 +107,8 @@ std::vector<Row> table() {
   const std::string core = "qkv::attention";
 
   // ---- qkv::attention over views -------------------------------------------------------------------------------
-  add("q with a negative extent: [2, 4, -1, 4]", core, "q axis 2 (Sq) has negative extent -1", [] {
-    Call c;
-    c.q = TensorView4<const float>(c.q_data.data(), {2, 4, -1, 4});
-    c.run();
-  });
+  add("q with a negative extent: [2, 4, -1, 4]", core, "q axis 2 (Sq) has negative extent -1",
+      core_with_extents(&Call::q, {2, 4, -1, 4}));
   add("k with a negative stride on Skv: strides [40, 20, -4, 1]", core, "k axis 2 (Skv) has negative stride -4", [] {
     Call c;
     c.k = TensorView4<const float>(c.k_data.data(), {2, 2, 5, 4}, {40, 20, -4, 1});
@@ -129,17 +125,10 @@ std::vector<Row> table() {
         c.q = TensorView4<const float>(c.q_data.data(), {2, 4, 3, 4}, {96, 24, 8, 2});
         c.run();
       });
-  add("k with batch 1, q with batch 2", core, "k axis 0 (B) has extent 1, expected 2 (the extent of q axis 0)", [] {
-    Call c;
-    c.k = TensorView4<const float>(c.k_data.data(), {1, 2, 5, 4});
-    c.run();
-  });
+  add("k with batch 1, q with batch 2", core, "k axis 0 (B) has extent 1, expected 2 (the extent of q axis 0)",
+      core_with_extents(&Call::k, {1, 2, 5, 4}));
   add("k with head_dim 3, q with head_dim 4", core, "k axis 3 (D) has extent 3, expected 4 (the extent of q axis 3)",
-      [] {
-        Call c;
-        c.k = TensorView4<const float>(c.k_data.data(), {2, 2, 5, 3});
-        c.run();
-      });
+      core_with_extents(&Call::k, {2, 2, 5, 3}));
   add("D = 0: q [2, 4, 3, 0], k [2, 2, 5, 0]", core, "q axis 3 (D) has extent 0, expected at least 1", [] {
     Call c;
     c.q = TensorView4<const float>(c.q_data.data(), {2, 4, 3, 0});
@@ -153,21 +142,12 @@ std::vector<Row> table() {
         c.v = TensorView4<const float>(c.v_data.data(), {2, 3, 5, 3});
         c.run();
       });
-  add("Hkv = 0 with 4 query heads", core, "k axis 1 (Hkv) has extent 0 but q has 4 heads", [] {
-    Call c;
-    c.k = TensorView4<const float>(c.k_data.data(), {2, 0, 5, 4});
-    c.run();
-  });
-  add("v with 4 keys, k with 5", core, "v axis 2 (Skv) has extent 4, expected 5 (the extent of k axis 2)", [] {
-    Call c;
-    c.v = TensorView4<const float>(c.v_data.data(), {2, 2, 4, 3});
-    c.run();
-  });
-  add("out with Dv 2, v with Dv 3", core, "out axis 3 (Dv) has extent 2, expected 3 (the extent of v axis 3)", [] {
-    Call c;
-    c.out = TensorView4<float>(c.out_data.data(), {2, 4, 3, 2});
-    c.run();
-  });
+  add("Hkv = 0 with 4 query heads", core, "k axis 1 (Hkv) has extent 0 but q has 4 heads",
+      core_with_extents(&Call::k, {2, 0, 5, 4}));
+  add("v with 4 keys, k with 5", core, "v axis 2 (Skv) has extent 4, expected 5 (the extent of k axis 2)",
+      core_with_extents(&Call::v, {2, 2, 4, 3}));
+  add("out with Dv 2, v with Dv 3", core, "out axis 3 (Dv) has extent 2, expected 3 (the extent of v axis 3)",
+      core_with_extents(&Call::out, {2, 4, 3, 2}));
   add("out whose strides make distinct indices share elements: strides [36, 9, 1, 1]", core,
       "out has strides whose elements overlap (extents [2, 4, 3, 3], strides [36, 9, 1, 1])", [] {
         Call c;
@@ -332,41 +312,21 @@ std::vector<Row> table() {
 
   // ---- Eigen entry points (sdpa.hpp) -----------------------------------------------------------------------------
   const std::string sdpa = "qkv::scaled_dot_product_attention";
-  add("one head: Q 3 × 4, K 5 × 3", sdpa, "K has 3 columns, expected 4 (n_kv_heads 1 × head_dim 4 from Q)", [] {
-    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 4), K = qkv::Matrix<float>::Ones(5, 3),
-                             V = qkv::Matrix<float>::Ones(5, 2);
-    (void)qkv::scaled_dot_product_attention(Q, K, V);
-  });
-  add("one head: K with 5 rows, V with 4", sdpa, "V has 4 rows, expected 5 (the rows of K)", [] {
-    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 4), K = qkv::Matrix<float>::Ones(5, 4),
-                             V = qkv::Matrix<float>::Ones(4, 2);
-    (void)qkv::scaled_dot_product_attention(Q, K, V);
-  });
-  add("packed: Q with 10 columns, Heads{4}", sdpa, "Q has 10 columns, not a multiple of n_heads 4", [] {
-    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 10), K = qkv::Matrix<float>::Ones(5, 8),
-                             V = qkv::Matrix<float>::Ones(5, 8);
-    (void)qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4});
-  });
-  add("packed: Heads{4, 3} (Hq % Hkv != 0)", sdpa, "Heads::n_heads 4 is not a multiple of Heads::n_kv_heads 3", [] {
-    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 8), K = qkv::Matrix<float>::Ones(5, 6),
-                             V = qkv::Matrix<float>::Ones(5, 6);
-    (void)qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 3});
-  });
-  add("packed: Heads{0}", sdpa, "Heads::n_heads is 0, expected at least 1", [] {
-    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 8), K = qkv::Matrix<float>::Ones(5, 8),
-                             V = qkv::Matrix<float>::Ones(5, 8);
-    (void)qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{0});
-  });
-  add("packed: V with 5 columns, Heads{4, 2}", sdpa, "V has 5 columns, not a multiple of n_kv_heads 2", [] {
-    const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 8), K = qkv::Matrix<float>::Ones(5, 4),
-                             V = qkv::Matrix<float>::Ones(5, 5);
-    (void)qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 2});
-  });
+  add("one head: Q 3 × 4, K 5 × 3", sdpa, "K has 3 columns, expected 4 (n_kv_heads 1 × head_dim 4 from Q)",
+      sdpa_on_ones({3, 4}, {5, 3}, {5, 2}));
+  add("one head: K with 5 rows, V with 4", sdpa, "V has 4 rows, expected 5 (the rows of K)",
+      sdpa_on_ones({3, 4}, {5, 4}, {4, 2}));
+  add("packed: Q with 10 columns, Heads{4}", sdpa, "Q has 10 columns, not a multiple of n_heads 4",
+      sdpa_on_ones({3, 10}, {5, 8}, {5, 8}, qkv::Heads{4}));
+  add("packed: Heads{4, 3} (Hq % Hkv != 0)", sdpa, "Heads::n_heads 4 is not a multiple of Heads::n_kv_heads 3",
+      sdpa_on_ones({3, 8}, {5, 6}, {5, 6}, qkv::Heads{4, 3}));
+  add("packed: Heads{0}", sdpa, "Heads::n_heads is 0, expected at least 1",
+      sdpa_on_ones({3, 8}, {5, 8}, {5, 8}, qkv::Heads{0}));
+  add("packed: V with 5 columns, Heads{4, 2}", sdpa, "V has 5 columns, not a multiple of n_kv_heads 2",
+      sdpa_on_ones({3, 8}, {5, 4}, {5, 5}, qkv::Heads{4, 2}));
   add("one head: Q, K with 0 columns (D = 0)", sdpa,
-      "Q has 0 columns, expected at least n_heads 1 (head_dim = columns / n_heads must be at least 1)", [] {
-        const qkv::Matrix<float> Q(3, 0), K(5, 0), V = qkv::Matrix<float>::Ones(5, 2);
-        (void)qkv::scaled_dot_product_attention(Q, K, V);
-      });
+      "Q has 0 columns, expected at least n_heads 1 (head_dim = columns / n_heads must be at least 1)",
+      sdpa_on_ones({3, 0}, {5, 0}, {5, 2}));
   add("options.key_lengths with 2 entries on an Eigen entry point (B = 1)", sdpa,
       "options.key_lengths has 2 entries, expected 1 (one per batch entry, q axis 0)", [] {
         const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 4), K = qkv::Matrix<float>::Ones(5, 4),

@@ -1,7 +1,7 @@
 // Tests of qkv/mask.hpp: the index rules of one sequence (causal in both alignments, sliding window, global
 // tokens, key padding), the tile classification and key ranges a tiled kernel relies on, and HeadMask's
-// visibility and score. Expected values come from the rule as DESIGN.md states it, written out in the test,
-// and from the worked tables in the header docs.
+// visibility and score (the scale's default: test_score.cpp). Expected values come from the rule as docs/design.md
+// states it, written out in the test, and from the worked tables in the header docs.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,7 +18,7 @@ using qkv::Index;
 using qkv::MaskGeometry;
 using qkv::TileVisibility;
 
-/// DESIGN.md, "Semantics every path shares", literally: key j is hidden for query i if j ≥ Skv_b, or causal and
+/// docs/design.md, "Semantics every path shares", literally: key j is hidden for query i if j ≥ Skv_b, or causal and
 /// j > diag(i), or (j ≥ global_tokens and (j < diag(i) − window_left or j > diag(i) + window_right)).
 bool expected_visible(const MaskGeometry& g, Index i, Index j) {
   const Index diag = i + g.diag_offset;
@@ -132,27 +132,20 @@ TEST(HeadMask, AllowedBroadcastBiasAndScore) {
   o.bias = qkv::TensorView4<const float>(bias, {1, 1, 2, 3});
   o.alibi_slopes = {0.5f, 0.25f};
   o.scale = 2.0f;
-  const auto head1 = qkv::HeadMask<float>::make(o, 0, 1, 2, 3, 4);
+  const auto head1 = qkv::HeadMask<float>::make(qkv::MaskRules<float>::of(o, 4), 0, 1, 2, 3);
   EXPECT_FALSE(head1.visible(0, 0));  // allowed false for head 1, key 0
   EXPECT_FALSE(head1.visible(0, 1));  // bias −∞ hides whatever allowed says
   EXPECT_TRUE(head1.visible(0, 2));
   EXPECT_TRUE(head1.visible(1, 1));
-  const auto head0 = qkv::HeadMask<float>::make(o, 0, 0, 2, 3, 4);
+  const auto head0 = qkv::HeadMask<float>::make(qkv::MaskRules<float>::of(o, 4), 0, 0, 2, 3);
   EXPECT_FALSE(head0.visible(1, 1));  // allowed false for head 0, key 1
   // Score: dot·scale + bias − slope·|diag(i) − j|, diag(i) = i + (3 − 2).
   EXPECT_DOUBLE_EQ(head1.score(3.0, 1, 0), 3.0 * 2.0 + 0.0 - 0.25 * 2.0);
   EXPECT_DOUBLE_EQ(head0.score(-1.0, 0, 2), -2.0 + 1.0 - 0.5 * 1.0);
   // Softcap applies to the scaled dot product, before the bias.
   o.softcap = 5.0f;
-  const auto capped = qkv::HeadMask<float>::make(o, 0, 0, 2, 3, 4);
+  const auto capped = qkv::HeadMask<float>::make(qkv::MaskRules<float>::of(o, 4), 0, 0, 2, 3);
   EXPECT_NEAR(capped.score(10.0, 0, 0), 5.0 * std::tanh(20.0 / 5.0) + 0.5 - 0.5 * 1.0, 1e-12);
-}
-
-TEST(HeadMask, DefaultScaleIsInverseSqrtD) {
-  qkv::AttentionOptions<double> o;
-  EXPECT_DOUBLE_EQ(qkv::resolve_scale(o, 64), 0.125);
-  o.scale = 0.0;
-  EXPECT_DOUBLE_EQ(qkv::resolve_scale(o, 64), 0.0);  // an explicit 0 is honoured
 }
 
 }  // namespace

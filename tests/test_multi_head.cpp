@@ -1,13 +1,13 @@
 // Tests of qkv/multi_head.hpp: MultiHeadAttention and KVCache.
 //
 // Expected values come from outside the module:
-//   - tests/fixtures/mha_torch.qkvt: PyTorch 1.13's nn.MultiheadAttention in float64 (self, cross, key_padding_mask,
-//     boolean / float / 3-D attn_mask, batch_first, kdim/vdim, bias=False, per-head weights) and GQA/MQA built in
-//     PyTorch by repeating K/V heads (scripts/make_mha_fixtures.py);
-//   - tests/fixtures/ppocr_v4_block1_attention.qkvt and the two .npy files: a real pretrained layer (PP-OCRv4) and
-//     PyTorch's output with its weights (scripts/make_ppocr_fixture.py);
-//   - float64 loops in this file (projections) around tests/brute_force.hpp (attention written from DESIGN.md);
-//   - decoding with a KV cache against one causal pass (the equivalence DESIGN.md promises).
+//   - tests/fixtures/mha_torch.safetensors: PyTorch 1.13's nn.MultiheadAttention in float64 (self, cross,
+//     key_padding_mask, boolean / float / 3-D attn_mask, batch_first, kdim/vdim, bias=False, per-head weights) and
+//     GQA/MQA built in PyTorch by repeating K/V heads (scripts/make_mha_fixtures.py);
+//   - tests/fixtures/ppocr_v4_block1_attention.safetensors and the two .npy files: a real pretrained layer (PP-OCRv4)
+//     and PyTorch's output with its weights (scripts/make_ppocr_fixture.py);
+//   - float64 loops in this file (projections) around tests/brute_force.hpp (attention written from docs/design.md);
+//   - decoding with a KV cache against one causal pass (the equivalence docs/design.md promises).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
-#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -27,15 +26,20 @@
 
 #include "brute_force.hpp"
 #include "qkv/multi_head.hpp"
+#include "safetensors.hpp"
+#include "support/expect_shape_error.hpp"
+#include "support/problem.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
 using qkv::Index;
 using qkv::Matrix;
+using qkv_test::random_matrix;
 
 // ---- fixture files --------------------------------------------------------------------------------------------------
 
-/// One array of a fixture, widened to double (exact for f4 and u1).
+/// One array of a fixture, widened to double (exact for F32 and BOOL).
 struct Array {
   std::string dtype;
   std::vector<Index> shape;
@@ -64,40 +68,13 @@ std::vector<double> read_values(std::istream& in, std::size_t count) {
   return std::vector<double>(raw.begin(), raw.end());
 }
 
-/// Reads the qkv fixture format (tests/fixtures/README.md): 'qkv-fixture 1', then per array a header line
-/// '<name> <dtype> <rank> <extents...>' and its raw little-endian C-order data, then 'end'.
+/// Reads a safetensors fixture (tests/fixtures/README.md) with examples/safetensors.hpp.
 Fixture read_fixture(const std::string& path) {
+  safetensors::File file = safetensors::read(path);
   Fixture fixture;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  std::string line;
-  std::getline(in, line);
-  if (line != "qkv-fixture 1") throw std::runtime_error(path + ": not a qkv fixture");
-  while (std::getline(in, line) && line != "end") {
-    std::istringstream header(line);
-    std::string name;
-    Array array;
-    int rank = 0;
-    header >> name >> array.dtype >> rank;
-    std::size_t count = 1;
-    for (int axis = 0; axis < rank; ++axis) {
-      Index e = 0;
-      header >> e;
-      array.shape.push_back(e);
-      count *= static_cast<std::size_t>(e);
-    }
-    if (array.dtype == "f8")
-      array.data = read_values<double>(in, count);
-    else if (array.dtype == "f4")
-      array.data = read_values<float>(in, count);
-    else if (array.dtype == "u1")
-      array.data = read_values<std::uint8_t>(in, count);
-    else
-      throw std::runtime_error(path + ": unknown dtype " + array.dtype);
-    if (!in) throw std::runtime_error(path + ": truncated at " + name);
-    fixture[name] = std::move(array);
-  }
-  if (line != "end") throw std::runtime_error(path + ": missing end");
+  for (auto& [name, tensor] : file.tensors)
+    fixture[name] =
+        Array{tensor.dtype, std::vector<Index>(tensor.shape.begin(), tensor.shape.end()), std::move(tensor.values)};
   return fixture;
 }
 
@@ -123,7 +100,7 @@ Array read_npy(const std::string& path) {
   if (header.find("'descr': '<f4'") == std::string::npos || header.find("'fortran_order': False") == std::string::npos)
     throw std::runtime_error(path + ": expected little-endian float32 in C order, header " + header);
   Array array;
-  array.dtype = "f4";
+  array.dtype = "F32";
   const std::size_t open = header.find('(', header.find("'shape'")), close = header.find(')', open);
   std::istringstream shape(header.substr(open + 1, close - open - 1));
   std::size_t count = 1;
@@ -140,7 +117,7 @@ Array read_npy(const std::string& path) {
 std::string fixture_path(const std::string& name) { return std::string(QKV_TEST_FIXTURES_DIR) + "/" + name; }
 
 const Fixture& torch_fixture() {
-  static const Fixture fixture = read_fixture(fixture_path("mha_torch.qkvt"));
+  static const Fixture fixture = read_fixture(fixture_path("mha_torch.safetensors"));
   return fixture;
 }
 
@@ -159,7 +136,7 @@ std::vector<T> to_vector(const Array& a) {
 
 template <class T>
 double tolerance(double magnitude) {
-  // float: the 1e-5·max(1, max|Y|) of DESIGN.md's decoding promise; double: rounding of a few dozen operations.
+  // float: the 1e-5·max(1, max|Y|) of docs/design.md's decoding promise; double: rounding of a few dozen operations.
   return (std::is_same_v<T, float> ? 1e-5 : 1e-12) * std::max(1.0, magnitude);
 }
 
@@ -225,15 +202,6 @@ Matrix<double> brute_force_module(const Weights& w, const Matrix<double>& X_q, c
   return linear(O, w.W_o, w.b_o);
 }
 
-template <class T>
-Matrix<T> random_normal(Index rows, Index cols, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal;
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(normal(rng));
-  return m;
-}
-
 /// A module with every weight and bias drawn from U(±1/√d_model) (the PyTorch nn.Linear scale).
 template <class T>
 qkv::MultiHeadAttention<T> random_module(const typename qkv::MultiHeadAttention<T>::Config& config, unsigned seed) {
@@ -281,20 +249,9 @@ double max_difference(const Matrix<T>& a, const Matrix<double>& b) {
   return worst;
 }
 
-void expect_shape_error(const std::function<void()>& call, std::initializer_list<const char*> parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected qkv::shape_error";
-  } catch (const qkv::shape_error& e) {
-    const std::string message = e.what();
-    for (const char* part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
-  }
-}
-
 // ---- PyTorch fixtures -----------------------------------------------------------------------------------------------
 
-/// One nn.MultiheadAttention case of mha_torch.qkvt, converted to T.
+/// One nn.MultiheadAttention case of mha_torch.safetensors, converted to T.
 template <class T>
 struct TorchCase {
   using ConstMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
@@ -371,8 +328,8 @@ struct BatchMasks {
 
   BatchMasks(const TorchCase<T>& c, Index n) {
     const bool has_kpm = c.has("key_padding_mask"), has_mask = c.has("attn_mask");
-    const bool kpm_bool = has_kpm && c.get("key_padding_mask").dtype == "u1";
-    const bool mask_bool = has_mask && c.get("attn_mask").dtype == "u1";
+    const bool kpm_bool = has_kpm && c.get("key_padding_mask").dtype == "BOOL";
+    const bool mask_bool = has_mask && c.get("attn_mask").dtype == "BOOL";
     const bool mask_3d = has_mask && c.get("attn_mask").shape.size() == 3;
     if (mask_3d) {  // [N·H, L, S] -> [1, H, L, S] for this batch entry
       EXPECT_TRUE(mask_bool && !has_kpm);
@@ -470,8 +427,7 @@ struct MultiHeadTorch : ::testing::Test {
     RecordProperty("max_weight_error", scientific(r.weight_error));
   }
 };
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(MultiHeadTorch, Scalars, );
+TYPED_TEST_SUITE(MultiHeadTorch, qkv_test::Scalars, );
 
 TYPED_TEST(MultiHeadTorch, SelfAttention) { this->check("self"); }
 TYPED_TEST(MultiHeadTorch, CrossAttentionPerHeadWeights) { this->check("cross"); }
@@ -489,6 +445,20 @@ TYPED_TEST(MultiHeadTorch, GroupedQueryAttention) { this->check("gqa"); }
 TYPED_TEST(MultiHeadTorch, GroupedQueryAttentionCausalMask) { this->check("gqa_causal"); }
 TYPED_TEST(MultiHeadTorch, MultiQueryCrossAttention) { this->check("mqa_cross"); }
 
+/// Expects rows n·L + l of Y (batch entries n < batches, one after another) to be PyTorch's output rows (n, l) within
+/// the accuracy rule.
+template <class T>
+void expect_output_matches(const TorchCase<T>& c, const Matrix<T>& Y, Index batches) {
+  double error = 0, magnitude = 0;
+  for (Index n = 0; n < batches; ++n)
+    for (Index l = 0; l < c.L; ++l)
+      for (Index e = 0; e < c.E; ++e) {
+        magnitude = std::max(magnitude, std::abs(c.expected_out(n, l, e)));
+        error = std::max(error, std::abs(static_cast<double>(Y(n * c.L + l, e)) - c.expected_out(n, l, e)));
+      }
+  EXPECT_LE(error, tolerance<T>(magnitude));
+}
+
 // Right padding expressed as key_lengths instead of a boolean row (batch entry 0 of key_padding keeps 4 keys).
 TYPED_TEST(MultiHeadTorch, RightPaddingAsKeyLengths) {
   using T = TypeParam;
@@ -496,14 +466,7 @@ TYPED_TEST(MultiHeadTorch, RightPaddingAsKeyLengths) {
   const auto m = c.module();
   qkv::AttentionOptions<T> options;
   options.key_lengths = {4};
-  const Matrix<T> Y = m.forward(c.X_q(0), options);
-  double error = 0, magnitude = 0;
-  for (Index l = 0; l < c.L; ++l)
-    for (Index e = 0; e < c.E; ++e) {
-      magnitude = std::max(magnitude, std::abs(c.expected_out(0, l, e)));
-      error = std::max(error, std::abs(static_cast<double>(Y(l, e)) - c.expected_out(0, l, e)));
-    }
-  EXPECT_LE(error, tolerance<T>(magnitude));
+  expect_output_matches(c, m.forward(c.X_q(0), options), 1);
 }
 
 // batch_first memory [N, L, E] is N sequences one after another: run it as one varlen batch, straight from the buffer,
@@ -518,15 +481,7 @@ TYPED_TEST(MultiHeadTorch, BatchFirstBufferAsVarlenBatch) {
   options.causal = true;
   for (Index n = 0; n <= c.N; ++n) options.cu_seqlens_q.push_back(n * c.L);
   options.cu_seqlens_k = options.cu_seqlens_q;
-  const Matrix<T> Y = m.forward(X, options);
-  double error = 0, magnitude = 0;
-  for (Index n = 0; n < c.N; ++n)
-    for (Index l = 0; l < c.L; ++l)
-      for (Index e = 0; e < c.E; ++e) {
-        magnitude = std::max(magnitude, std::abs(c.expected_out(n, l, e)));
-        error = std::max(error, std::abs(static_cast<double>(Y(n * c.L + l, e)) - c.expected_out(n, l, e)));
-      }
-  EXPECT_LE(error, tolerance<T>(magnitude));
+  expect_output_matches(c, m.forward(X, options), c.N);
 }
 
 // GQA's causal mask through options.causal instead of the boolean mask, against the same PyTorch output.
@@ -537,14 +492,7 @@ TYPED_TEST(MultiHeadTorch, GroupedQueryCausalOption) {
   EXPECT_EQ(m.n_kv_heads(), 2);
   qkv::AttentionOptions<T> options;
   options.causal = true;
-  const Matrix<T> Y = m.forward(c.X_q(0), options);
-  double error = 0, magnitude = 0;
-  for (Index l = 0; l < c.L; ++l)
-    for (Index e = 0; e < c.E; ++e) {
-      magnitude = std::max(magnitude, std::abs(c.expected_out(0, l, e)));
-      error = std::max(error, std::abs(static_cast<double>(Y(l, e)) - c.expected_out(0, l, e)));
-    }
-  EXPECT_LE(error, tolerance<T>(magnitude));
+  expect_output_matches(c, m.forward(c.X_q(0), options), 1);
 }
 
 // ---- loaders -----------------------------------------------------------------------------------------------------
@@ -649,7 +597,7 @@ struct ObserverGuard {  // installs the module's test seam for one test and alwa
 TEST(MultiHeadGqa, KeysAndValuesAreProjectedOncePerKvHeadAndShared) {
   const Index d_model = 256, Hq = 32, Hkv = 8, D = 8, T = 9;
   const auto m = random_module<float>(make_config<float>(d_model, Hq, Hkv), 11);
-  const Matrix<float> X = random_normal<float>(T, d_model, 12);
+  const Matrix<float> X = random_matrix<float>(T, d_model, 12);
   ObservedCall seen;
   Matrix<float> Y;
   {
@@ -692,7 +640,7 @@ TEST(MultiHeadGqa, KeysAndValuesAreProjectedOncePerKvHeadAndShared) {
 TEST(MultiHeadGqa, DecodingReadsTheCacheInPlace) {
   const Index d_model = 256, Hq = 32, Hkv = 8, D = 8, capacity = 16;
   const auto m = random_module<float>(make_config<float>(d_model, Hq, Hkv), 13);
-  const Matrix<float> X = random_normal<float>(5, d_model, 14);
+  const Matrix<float> X = random_matrix<float>(5, d_model, 14);
   auto cache = m.make_cache(capacity);
   ObservedCall seen;
   ObserverGuard guard(&seen);
@@ -738,7 +686,7 @@ TEST_P(MultiHeadDecode, EqualsOneCausalPass) {
   const DecodeShape s = GetParam();
   const Index T = 37;
   const auto m = random_module<float>(make_config<float>(s.d_model, s.n_heads, s.n_kv_heads, s.head_dim), 21);
-  const Matrix<float> X = random_normal<float>(T, s.d_model, 22);
+  const Matrix<float> X = random_matrix<float>(T, s.d_model, 22);
   qkv::AttentionOptions<float> causal;
   causal.causal = true;
   const Matrix<float> full = m.forward(X, causal);
@@ -774,7 +722,7 @@ INSTANTIATE_TEST_SUITE_P(Heads, MultiHeadDecode,
 // The cache path is causal bottom-right whatever options.causal and options.alignment say.
 TEST(MultiHeadCache, CausalBottomRightWhateverTheOptionsSay) {
   const auto m = random_module<float>(make_config<float>(32, 4, 2), 31);
-  const Matrix<float> X = random_normal<float>(12, 32, 32);
+  const Matrix<float> X = random_matrix<float>(12, 32, 32);
   qkv::AttentionOptions<float> causal;
   causal.causal = true;
   const Matrix<double> full = m.forward(X, causal).cast<double>();
@@ -787,7 +735,7 @@ TEST(MultiHeadCache, CausalBottomRightWhateverTheOptionsSay) {
 // Other options pass through to the cached attention: a sliding window (bottom-right, as FlashAttention's decoding).
 TEST(MultiHeadCache, SlidingWindowPassesThrough) {
   const auto m = random_module<float>(make_config<float>(48, 6, 2), 33);
-  const Matrix<float> X = random_normal<float>(20, 48, 34);
+  const Matrix<float> X = random_matrix<float>(20, 48, 34);
   qkv::AttentionOptions<float> window;
   window.causal = true;
   window.window_left = 4;
@@ -806,7 +754,7 @@ TEST(MultiHeadCache, SlidingWindowPassesThrough) {
 // length still hold the previous sequence's (finite) keys and values.
 TEST(MultiHeadCache, ClearForgetsAndStaleSlotsAreNotRead) {
   const auto m = random_module<float>(make_config<float>(32, 4, 1), 35);
-  const Matrix<float> first = random_normal<float>(10, 32, 36), second = random_normal<float>(4, 32, 37);
+  const Matrix<float> first = random_matrix<float>(10, 32, 36), second = random_matrix<float>(4, 32, 37);
   auto cache = m.make_cache(10);
   m.forward(first, cache);
   EXPECT_EQ(cache.length(), 10);
@@ -820,6 +768,8 @@ TEST(MultiHeadCache, ClearForgetsAndStaleSlotsAreNotRead) {
   const Matrix<double> expected = m.forward(second, causal).cast<double>();
   EXPECT_LE(max_difference(Y, expected), 1e-5 * std::max(1.0, max_abs(expected)));
 }
+
+using qkv_test::expect_shape_error;
 
 TEST(MultiHeadCache, ViewsAndAppend) {
   qkv::KVCache<double> cache(6, 2, 3);
@@ -850,7 +800,7 @@ TEST(MultiHeadCache, ViewsAndAppend) {
 // append (a bad option) undoes the append.
 TEST(MultiHeadCache, OverflowAndFailedCallsLeaveTheCacheUnchanged) {
   const auto m = random_module<float>(make_config<float>(16, 2), 41);
-  const Matrix<float> X = random_normal<float>(6, 16, 42);
+  const Matrix<float> X = random_matrix<float>(6, 16, 42);
   auto cache = m.make_cache(5);
   m.forward(X.topRows(3), cache);
   expect_shape_error([&] { m.forward(X.middleRows(3, 3), cache); }, {"overflows", "3", "5", "6"});
@@ -873,14 +823,14 @@ TEST(MultiHeadCache, OverflowAndFailedCallsLeaveTheCacheUnchanged) {
 
 template <class T>
 struct MultiHeadTyped : ::testing::Test {};
-TYPED_TEST_SUITE(MultiHeadTyped, Scalars, );
+TYPED_TEST_SUITE(MultiHeadTyped, qkv_test::Scalars, );
 
 // A list of sequences (one empty) equals one call per sequence: sequences never see each other.
 TYPED_TEST(MultiHeadTyped, VarlenListEqualsSeparateCalls) {
   using T = TypeParam;
   const auto m = random_module<T>(make_config<T>(24, 6, 2), 51);
-  const std::vector<Matrix<T>> sequences = {random_normal<T>(5, 24, 52), random_normal<T>(1, 24, 53), Matrix<T>(0, 24),
-                                            random_normal<T>(7, 24, 54)};
+  const std::vector<Matrix<T>> sequences = {random_matrix<T>(5, 24, 52), random_matrix<T>(1, 24, 53), Matrix<T>(0, 24),
+                                            random_matrix<T>(7, 24, 54)};
   for (const bool causal : {false, true}) {
     qkv::AttentionOptions<T> options;
     options.causal = causal;
@@ -900,7 +850,7 @@ TYPED_TEST(MultiHeadTyped, VarlenCrossAttention) {
   config.kdim = 10;
   config.vdim = 10;
   const auto m = random_module<T>(config, 55);
-  const Matrix<T> X_q = random_normal<T>(9, 16, 56), X_kv = random_normal<T>(11, 10, 57);
+  const Matrix<T> X_q = random_matrix<T>(9, 16, 56), X_kv = random_matrix<T>(11, 10, 57);
   qkv::AttentionOptions<T> options;
   options.cu_seqlens_q = {0, 4, 4, 9};
   options.cu_seqlens_k = {0, 3, 8, 11};
@@ -928,7 +878,7 @@ TYPED_TEST(MultiHeadTyped, VarlenCrossAttention) {
 TYPED_TEST(MultiHeadTyped, OptionsPassThrough) {
   using T = TypeParam;
   const auto m = random_module<T>(make_config<T>(24, 4, 2), 61);
-  const Matrix<T> X = random_normal<T>(10, 24, 62);
+  const Matrix<T> X = random_matrix<T>(10, 24, 62);
   qkv::AttentionOptions<T> options;
   options.scale = T(0.3);
   options.softcap = T(2);
@@ -1065,7 +1015,7 @@ TEST(MultiHeadErrors, CuSeqlens) {
 // ---- the real pretrained layer: PP-OCRv4's first attention layer ----------------------------------------------------
 
 struct RealLayer {
-  Fixture f = read_fixture(fixture_path("ppocr_v4_block1_attention.qkvt"));
+  Fixture f = read_fixture(fixture_path("ppocr_v4_block1_attention.safetensors"));
   Array input = read_npy(fixture_path("ppocr_v4_block1_attention_input.npy"));
   Array tokens = read_npy(fixture_path("ppocr_v4_block1_tokens.npy"));
 

@@ -1,5 +1,5 @@
-// DESIGN.md's NaN/Inf policy ("Semantics every path shares"), one test per statement, each run on the reference and
-// fused backends in float and on the reference backend in double (the fused kernel exists for float only), with GQA
+// docs/design.md's NaN/Inf policy ("Semantics every path shares"), one test per statement, each run on the reference
+// and fused backends in float and on the reference backend in double (the fused kernel exists for float only), with GQA
 // (Hq = 4, Hkv = 2) throughout and varlen where it matters.
 //
 // Expected values: the float64 brute force of tests/brute_force.hpp on the same (rounded) inputs, or values known by
@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
-#include <memory>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -20,103 +19,27 @@
 
 #include "brute_force.hpp"
 #include "qkv/attention.hpp"
+#include "support/problem.hpp"
 
 namespace {
 
-using qkv::Index;
+using brute::flat;
+using qkv_test::Output;
+using qkv_test::Problem;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr float kNaNf = std::numeric_limits<float>::quiet_NaN();
 
-std::size_t flat(long n1, long n2, long n3, long i0, long i1, long i2, long i3) {
-  return static_cast<std::size_t>(((i0 * n1 + i1) * n2 + i2) * n3 + i3);
-}
-
-struct Problem {
-  brute::Params p;
-  std::vector<double> q, k, v;
-  double& q_at(long b, long h, long i, long d) { return q[flat(p.Hq, p.Sq, p.D, b, h, i, d)]; }
-  double& k_at(long b, long h, long j, long d) { return k[flat(p.Hkv, p.Skv, p.D, b, h, j, d)]; }
-  double& v_at(long b, long h, long j, long d) { return v[flat(p.Hkv, p.Skv, p.Dv, b, h, j, d)]; }
-};
-
-/// Random normal q, k, v for the given extents (GQA by default: Hq = 4, Hkv = 2).
+/// Random normal q, k, v for the given extents (GQA by default: Hq = 4, Hkv = 2); support/problem.hpp has the rest:
+/// rounded (the inputs as qkv sees them in T) and run (qkv::attention in T, outputs starting as NaN).
 Problem make_problem(long B, long Sq, long Skv, std::uint64_t seed, long Hq = 4, long Hkv = 2, long D = 8,
                      long Dv = 5) {
-  Problem pr;
-  pr.p.B = B;
-  pr.p.Hq = Hq;
-  pr.p.Hkv = Hkv;
-  pr.p.Sq = Sq;
-  pr.p.Skv = Skv;
-  pr.p.D = D;
-  pr.p.Dv = Dv;
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  for (auto [values, n] :
-       {std::pair{&pr.q, B * Hq * Sq * D}, std::pair{&pr.k, B * Hkv * Skv * D}, std::pair{&pr.v, B * Hkv * Skv * Dv}}) {
-    values->resize(static_cast<std::size_t>(n));
-    for (double& x : *values) x = normal(rng);
-  }
-  return pr;
+  return qkv_test::make_problem({B, Hq, Hkv, Sq, Skv, D, Dv}, seed);
 }
 
-template <class T>
-Problem rounded(Problem pr) {  // the inputs as the library sees them in T (NaN and ±∞ stay what they are)
-  for (std::vector<double>* values : {&pr.q, &pr.k, &pr.v, &pr.p.sinks})
-    for (double& x : *values) x = static_cast<double>(static_cast<T>(x));
-  if (pr.p.bias)
-    for (double& x : pr.p.bias->data) x = static_cast<double>(static_cast<T>(x));
-  return pr;
-}
-
-struct Output {
-  std::vector<double> out, lse;
-};
-
-/// Runs qkv::attention (the form with lse) in T on `backend`. Outputs start as NaN, so an unwritten element shows.
-template <class T>
-Output run(const Problem& pr, qkv::Backend backend) {
-  const brute::Params& p = pr.p;
-  const std::vector<T> q(pr.q.begin(), pr.q.end()), k(pr.k.begin(), pr.k.end()), v(pr.v.begin(), pr.v.end());
-  qkv::AttentionOptions<T> options;
-  options.causal = p.causal;
-  options.alignment =
-      p.alignment == brute::Alignment::top_left ? qkv::CausalAlignment::top_left : qkv::CausalAlignment::bottom_right;
-  options.window_left = p.window_left;
-  options.window_right = p.window_right;
-  options.key_lengths.assign(p.key_lengths.begin(), p.key_lengths.end());
-  options.sinks.assign(p.sinks.begin(), p.sinks.end());
-  options.cu_seqlens_q.assign(p.cu_seqlens_q.begin(), p.cu_seqlens_q.end());
-  options.cu_seqlens_k.assign(p.cu_seqlens_k.begin(), p.cu_seqlens_k.end());
-  options.backend = backend;
-  std::unique_ptr<bool[]> allowed;
-  std::vector<T> bias;
-  if (p.allowed) {
-    const auto& e = p.allowed->extents;
-    allowed.reset(new bool[p.allowed->data.size() + 1]);
-    for (std::size_t n = 0; n < p.allowed->data.size(); ++n) allowed[n] = p.allowed->data[n] != 0;
-    options.allowed = qkv::TensorView4<const bool>(allowed.get(), {e[0], e[1], e[2], e[3]});
-  }
-  if (p.bias) {
-    const auto& e = p.bias->extents;
-    bias.assign(p.bias->data.begin(), p.bias->data.end());
-    options.bias = qkv::TensorView4<const T>(bias.data(), {e[0], e[1], e[2], e[3]});
-  }
-  const T nan = std::numeric_limits<T>::quiet_NaN();
-  std::vector<T> out(static_cast<std::size_t>(p.B * p.Hq * p.Sq * p.Dv), nan),
-      lse(static_cast<std::size_t>(p.B * p.Hq * p.Sq), nan);
-  qkv::attention(qkv::TensorView4<const T>(q.data(), {p.B, p.Hq, p.Sq, p.D}),
-                 qkv::TensorView4<const T>(k.data(), {p.B, p.Hkv, p.Skv, p.D}),
-                 qkv::TensorView4<const T>(v.data(), {p.B, p.Hkv, p.Skv, p.Dv}),
-                 qkv::TensorView4<T>(out.data(), {p.B, p.Hq, p.Sq, p.Dv}),
-                 qkv::TensorView3<T>(lse.data(), {p.B, p.Hq, p.Sq}), options);
-  return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
-}
-
-// DESIGN.md's bound for the reference path, 1e-6·max(1, max|V|) in float (1e-12 in double), over the finite values of
-// v. The fused float path is held to the same bound here (tighter than its own: 2× a plain float implementation).
+// docs/design.md's bound for the reference path, 1e-6·max(1, max|V|) in float (1e-12 in double), over the finite values
+// of v. The fused float path is held to the same bound here (tighter than its own: 2× a plain float implementation).
 template <class T>
 double tolerance(const Problem& pr) {
   double max_v = 0;
@@ -150,10 +73,10 @@ void check_rows(const Problem& poisoned, const Problem& clean, const Touched& to
   for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
     using T = decltype(tag);
     SCOPED_TRACE(name);
-    const Problem pr = rounded<T>(poisoned), cl = rounded<T>(clean);
+    const Problem pr = qkv_test::rounded<T>(poisoned), cl = qkv_test::rounded<T>(clean);
     const brute::Params& p = pr.p;
     const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
-    const Output got = run<T>(pr, backend), reference = run<T>(cl, backend);
+    const Output got = qkv_test::run<T>(pr, backend), reference = qkv_test::run<T>(cl, backend);
     const double tol = tolerance<T>(cl), eps = std::is_same_v<T, double> ? 1e-12 : 1e-6;
     const bool varlen = !p.cu_seqlens_q.empty();
     const long sequences = varlen ? static_cast<long>(p.cu_seqlens_q.size()) - 1 : p.B;
@@ -263,6 +186,19 @@ TEST(NanPolicy, HiddenKeysOutsideTheWindowAreNeverRead) {
   check_rows(poison_keys(clean, {0, 1, 2, 3, 4, 5, 6}), clean, kNoRow, false);
 }
 
+TEST(NanPolicy, HiddenKeysOutsideTheWindowAreNeverReadWithAGlobalKeyAndEveryScoreOption) {
+  // The window above with one global key (key 0 stays visible to every query) and the options that change scores:
+  // scale, softcap and ALiBi (passed on by support/options.hpp; this file's former converter dropped them).
+  Problem clean = make_problem(2, 3, 12, 5);
+  clean.p.window_left = 2;
+  clean.p.window_right = 0;
+  clean.p.global_tokens = 1;
+  clean.p.scale = 0.5;
+  clean.p.softcap = 4.0;
+  clean.p.alibi_slopes = {0.5, 0.25, 0.125, 0.0625};
+  check_rows(poison_keys(clean, {1, 2, 3, 4, 5, 6}), clean, kNoRow, false);
+}
+
 TEST(NanPolicy, MinusInfinityBiasHidesEvenWithNaNInK) {
   Problem clean = make_problem(2, 5, 8, 6);
   brute::Broadcast4<double> bias;
@@ -289,32 +225,27 @@ void check_fully_hidden_rows(const Problem& problem, EmptyLse empty_lse, long ex
   for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
     using T = decltype(tag);
     SCOPED_TRACE(name);
-    const Problem pr = rounded<T>(problem);
+    const Problem pr = qkv_test::rounded<T>(problem);
     const brute::Params& p = pr.p;
     const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
-    const Output got = run<T>(pr, backend);
+    const Output got = qkv_test::run<T>(pr, backend);
     const double tol = tolerance<T>(pr);
     long hidden_rows = 0;
-    for (long b = 0; b < p.B; ++b)
-      for (long h = 0; h < p.Hq; ++h)
-        for (long i = 0; i < p.Sq; ++i) {
-          double weight_sum = 0;
-          for (long j = 0; j < p.Skv; ++j) weight_sum += want.weights[flat(p.Hq, p.Sq, p.Skv, b, h, i, j)];
-          const std::size_t lse_at = flat(p.Hq, p.Sq, 1, b, h, i, 0);
-          const bool hidden = weight_sum == 0;
-          hidden_rows += hidden;
-          if (hidden) {
-            EXPECT_EQ(got.lse[lse_at], empty_lse(h)) << "b " << b << " h " << h << " i " << i;
-          }
-          for (long d = 0; d < p.Dv; ++d) {
-            const std::size_t at = flat(p.Hq, p.Sq, p.Dv, b, h, i, d);
-            if (hidden) {
-              EXPECT_EQ(got.out[at], 0.0) << "b " << b << " h " << h << " i " << i << " d " << d;
-            } else {
-              EXPECT_NEAR(got.out[at], want.out[at], tol) << "b " << b << " h " << h << " i " << i << " d " << d;
-            }
-          }
+    brute::for_each_row(p, [&](long b, long h, long i) {
+      const bool hidden = brute::row_weight_sum(want, p, b, h, i) == 0;
+      hidden_rows += hidden;
+      if (hidden) {
+        EXPECT_EQ(got.lse[flat(p.Hq, p.Sq, 1, b, h, i, 0)], empty_lse(h)) << "b " << b << " h " << h << " i " << i;
+      }
+      for (long d = 0; d < p.Dv; ++d) {
+        const std::size_t at = flat(p.Hq, p.Sq, p.Dv, b, h, i, d);
+        if (hidden) {
+          EXPECT_EQ(got.out[at], 0.0) << "b " << b << " h " << h << " i " << i << " d " << d;
+        } else {
+          EXPECT_NEAR(got.out[at], want.out[at], tol) << "b " << b << " h " << h << " i " << i << " d " << d;
         }
+      }
+    });
     EXPECT_EQ(hidden_rows, expected_hidden_rows);
   });
 }
@@ -364,30 +295,24 @@ TEST(NanPolicy, NaNInAVisibleQueryAffectsOnlyItsRow) {
 /// Causal (Sq = Skv = 6): key 3 of kv head 1 in batch entry 0 is read by rows i ≥ 3 of query heads 2 and 3 only.
 bool reads_key_3_of_kv_head_1(const RowId& r) { return r.b == 0 && (r.h == 2 || r.h == 3) && r.i >= 3; }
 
-TEST(NanPolicy, NaNInAVisibleKeyAffectsOnlyTheRowsThatSeeIt) {
-  Problem clean = make_problem(2, 6, 6, 10);
+/// Writes NaN, then +∞, then −∞ into feature d of that key, in k or in v (`at`): NaN reaches the rows that read it,
+/// ±∞ may change them (no claim on their value), no other row changes.
+void check_key_3_of_kv_head_1_poisoned(double& (Problem::*at)(long, long, long, long), long d, std::uint64_t seed) {
+  Problem clean = make_problem(2, 6, 6, seed);
   clean.p.causal = true;
-  Problem poisoned = clean;
-  poisoned.k_at(0, 1, 3, 5) = kNaN;
-  check_rows(poisoned, clean, reads_key_3_of_kv_head_1, true);
-  for (double inf : {kInf, -kInf}) {
-    Problem infinite = clean;
-    infinite.k_at(0, 1, 3, 5) = inf;
-    check_rows(infinite, clean, reads_key_3_of_kv_head_1, false);
+  for (double value : {kNaN, kInf, -kInf}) {
+    Problem poisoned = clean;
+    (poisoned.*at)(0, 1, 3, d) = value;
+    check_rows(poisoned, clean, reads_key_3_of_kv_head_1, std::isnan(value));
   }
 }
 
+TEST(NanPolicy, NaNInAVisibleKeyAffectsOnlyTheRowsThatSeeIt) {
+  check_key_3_of_kv_head_1_poisoned(&Problem::k_at, 5, 10);
+}
+
 TEST(NanPolicy, NaNInAVisibleValueAffectsOnlyTheRowsThatSeeIt) {
-  Problem clean = make_problem(2, 6, 6, 11);
-  clean.p.causal = true;
-  Problem poisoned = clean;
-  poisoned.v_at(0, 1, 3, 2) = kNaN;
-  check_rows(poisoned, clean, reads_key_3_of_kv_head_1, true);
-  for (double inf : {kInf, -kInf}) {
-    Problem infinite = clean;
-    infinite.v_at(0, 1, 3, 2) = inf;
-    check_rows(infinite, clean, reads_key_3_of_kv_head_1, false);
-  }
+  check_key_3_of_kv_head_1_poisoned(&Problem::v_at, 2, 11);
 }
 
 TEST(NanPolicy, PlusInfinityOrNaNInBiasAffectsOnlyItsRow) {
@@ -464,23 +389,45 @@ TEST(NanPolicy, MinusInfinityScoreFromADenormalQueryHidesTheKey) {
   }
 }
 
-/// Runs attention on B = 1, one head, Sq copies of the query `q` (D = 2) against keys k (Skv = 2) and values v
-/// (Dv = 1) with the given scale, and, if `bias` is given, the additive bias bias[j] on key j of every row; returns
-/// out and lse of every row.
-Output run_two_keys(qkv::Backend backend, long sq, const float (&q)[2], const float (&k)[4], const float (&v)[2],
-                    float scale, const float* bias = nullptr) {
+/// Runs attention on B = 1, one head, Sq copies of the query `q` (D = q.size()) against two keys k (2·D values, key
+/// after key) and values v (Dv = 1) with the given scale, and, if `bias` is given, the additive bias bias[j] on key j
+/// of every row; returns out and lse of every row.
+Output run_two_keys(qkv::Backend backend, long sq, const std::vector<float>& q, const std::vector<float>& k,
+                    const float (&v)[2], float scale, const float* bias = nullptr) {
+  const long D = static_cast<long>(q.size());
   std::vector<float> qs;
-  for (long i = 0; i < sq; ++i) qs.insert(qs.end(), q, q + 2);
-  std::vector<float> out(static_cast<std::size_t>(sq), std::numeric_limits<float>::quiet_NaN()),
-      lse(static_cast<std::size_t>(sq), std::numeric_limits<float>::quiet_NaN());
+  for (long i = 0; i < sq; ++i) qs.insert(qs.end(), q.begin(), q.end());
+  std::vector<float> out(static_cast<std::size_t>(sq), kNaNf), lse(static_cast<std::size_t>(sq), kNaNf);
   qkv::AttentionOptions<float> options;
   options.scale = scale;
   options.backend = backend;
   if (bias != nullptr) options.bias = qkv::TensorView4<const float>(bias, {1, 1, 1, 2});  // broadcast over rows
-  qkv::attention<float>(qkv::view_bhsd(qs.data(), 1, 1, sq, 2), qkv::view_bhsd(k, 1, 1, 2, 2),
+  qkv::attention<float>(qkv::view_bhsd(qs.data(), 1, 1, sq, D), qkv::view_bhsd(k.data(), 1, 1, 2, D),
                         qkv::view_bhsd(v, 1, 1, 2, 1), qkv::view_bhsd(out.data(), 1, 1, sq, 1),
                         qkv::TensorView3<float>(lse.data(), {1, 1, sq}), options);
   return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
+}
+
+/// Runs `run(backend, sq)` on the decoding (Sq = 1) and prefill (Sq = 20) paths of both backends and expects every
+/// row to be `expected`: out exactly (or within `out_tolerance` when it is not 0), lse within 1e-6·|lse| (the
+/// reference path computes it in double).
+template <class Run>
+void expect_every_row(const Output& expected, double out_tolerance, const std::string& trace, Run run) {
+  for (const long sq : {1L, 20L}) {
+    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq) +
+                   trace);
+      const Output got = run(backend, sq);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(sq); ++i) {
+        if (out_tolerance == 0) {
+          EXPECT_EQ(got.out[i], expected.out[0]) << "row " << i;
+        } else {
+          EXPECT_NEAR(got.out[i], expected.out[0], out_tolerance) << "row " << i;
+        }
+        EXPECT_NEAR(got.lse[i], expected.lse[0], 1e-6 * std::fabs(expected.lse[0])) << "row " << i;
+      }
+    }
+  }
 }
 
 TEST(NanPolicy, QueryTooLargeToPrescaleScoresExactly) {
@@ -488,37 +435,23 @@ TEST(NanPolicy, QueryTooLargeToPrescaleScoresExactly) {
   // kernel's pre-scaled q_0·scale (·log2 e) does not. It must neither give NaN (∞·0) nor saturate q_0 (FLT_MAX·1e-30
   // would score key a at 3.4e8, below key b): Q is used unscaled and the scores scaled afterwards. Key a takes all
   // the weight, out = v_a exactly, lse = 1e9 within float rounding (the reference path computes it in double).
-  const float q[2] = {1e38f, 1.0f}, k[4] = {1e-30f, 0.0f, 0.0f, 5e7f}, v[2] = {1.5f, -2.0f};
-  for (const long sq : {1L, 20L}) {  // decoding and prefill paths
-    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
-      const Output got = run_two_keys(backend, sq, q, k, v, 10.0f);
-      for (long i = 0; i < sq; ++i) {
-        EXPECT_EQ(got.out[static_cast<std::size_t>(i)], 1.5) << "row " << i;
-        EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], 1e9, 1e9 * 1e-6) << "row " << i;
-      }
-    }
-  }
+  const std::vector<float> q = {1e38f, 1.0f}, k = {1e-30f, 0.0f, 0.0f, 5e7f};
+  const float v[2] = {1.5f, -2.0f};
+  expect_every_row({{1.5}, {1e9}}, 0, "",
+                   [&](qkv::Backend backend, long sq) { return run_two_keys(backend, sq, q, k, v, 10.0f); });
 }
 
 TEST(NanPolicy, ScaleBeyondTheRangeOfScaleTimesLog2eScoresExactly) {
   // scale = 3e38 is finite, but scale·log2 e is not: pre-scaling would make q_0 = 0 into 0·∞ = NaN. q = (0, 1e-38),
   // k_a = (5, 1), k_b = (1, 0): scores 3 and 0 (in double: (0·5 + 1e-38·1)·3e38 = 3.0000000…), so out =
   // (e^3·v_a + v_b) / (e^3 + 1) and lse = log(e^3 + 1), as the float64 brute force computes them.
-  const float q[2] = {0.0f, 1e-38f}, k[4] = {5.0f, 1.0f, 1.0f, 0.0f}, v[2] = {1.5f, -2.0f};
+  const std::vector<float> q = {0.0f, 1e-38f}, k = {5.0f, 1.0f, 1.0f, 0.0f};
+  const float v[2] = {1.5f, -2.0f};
   const double s_a = (0.0 * 5.0 + double(1e-38f) * 1.0) * double(3e38f), s_b = 0.0;
-  const double lse = std::log(std::exp(s_a) + std::exp(s_b));
+  const double lse = std::log(std::exp(s_a) + std::exp(s_b));  // 3.05: 1e-6·|lse| = 1e-6·max(1, lse)
   const double out = (std::exp(s_a - lse) * 1.5 + std::exp(s_b - lse) * -2.0);
-  for (const long sq : {1L, 20L}) {
-    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
-      const Output got = run_two_keys(backend, sq, q, k, v, 3e38f);
-      for (long i = 0; i < sq; ++i) {
-        EXPECT_NEAR(got.out[static_cast<std::size_t>(i)], out, 1e-6 * 2.0) << "row " << i;
-        EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], lse, 1e-6 * std::max(1.0, lse)) << "row " << i;
-      }
-    }
-  }
+  expect_every_row({{out}, {lse}}, 1e-6 * 2.0, "",
+                   [&](qkv::Backend backend, long sq) { return run_two_keys(backend, sq, q, k, v, 3e38f); });
 }
 
 /// out and lse of softmax(s)·v for two keys, by a float64 loop: the expected values of the tests below.
@@ -536,21 +469,10 @@ TEST(NanPolicy, ScoresBeyondFltMaxOverLog2eStayExact) {
   // weights are one-hot (e^(−1.8e37) is 0), out is v of the larger score exactly, lse the larger score.
   const float v[2] = {1.5f, -2.0f};
   for (const float sign : {1.0f, -1.0f}) {
-    const float q[2] = {1.8e19f, 1.0f}, k[4] = {sign * 1.8e19f, 0.0f, sign * 1.7e19f, 0.0f};
+    const std::vector<float> q = {1.8e19f, 1.0f}, k = {sign * 1.8e19f, 0.0f, sign * 1.7e19f, 0.0f};
     const double s_a = double(q[0]) * double(k[0]), s_b = double(q[0]) * double(k[2]);
-    const Output expected = two_key_softmax(s_a, s_b, v[0], v[1]);
-    for (const long sq : {1L, 20L}) {  // decoding and prefill paths
-      for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-        SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " +
-                     std::to_string(sq) + ", sign " + std::to_string(sign));
-        const Output got = run_two_keys(backend, sq, q, k, v, 1.0f);
-        for (long i = 0; i < sq; ++i) {
-          EXPECT_EQ(got.out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
-          EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
-              << "row " << i;
-        }
-      }
-    }
+    expect_every_row(two_key_softmax(s_a, s_b, v[0], v[1]), 0, ", sign " + std::to_string(sign),
+                     [&](qkv::Backend backend, long sq) { return run_two_keys(backend, sq, q, k, v, 1.0f); });
   }
 }
 
@@ -558,20 +480,11 @@ TEST(NanPolicy, ScoresBeyondFltMaxOverLog2eFromTheScaleStayExact) {
   // The same range reached through `scale`: scale = 3e38, q = (1, 0), k = (1, 0) and (0.5, 0): scores 3e38 and
   // 1.5e38. scale·log2 e overflows, so the prefill task keeps Q unscaled and scales the scores after Q·Kᵀ
   // (post-scale), where q·k = 1 is small: the base-2 check must count the post-scale factor to see the overflow.
-  const float q[2] = {1.0f, 0.0f}, k[4] = {1.0f, 0.0f, 0.5f, 0.0f}, v[2] = {1.5f, -2.0f};
+  const std::vector<float> q = {1.0f, 0.0f}, k = {1.0f, 0.0f, 0.5f, 0.0f};
+  const float v[2] = {1.5f, -2.0f};
   const double scale = double(3e38f);
-  const Output expected = two_key_softmax(scale * double(k[0]), scale * double(k[2]), v[0], v[1]);
-  for (const long sq : {1L, 20L}) {
-    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
-      const Output got = run_two_keys(backend, sq, q, k, v, 3e38f);
-      for (long i = 0; i < sq; ++i) {
-        EXPECT_EQ(got.out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
-        EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
-            << "row " << i;
-      }
-    }
-  }
+  expect_every_row(two_key_softmax(scale * double(k[0]), scale * double(k[2]), v[0], v[1]), 0, "",
+                   [&](qkv::Backend backend, long sq) { return run_two_keys(backend, sq, q, k, v, 3e38f); });
 }
 
 TEST(NanPolicy, ScoresWithinRoundingOfFltMaxInBase2StayExact) {
@@ -581,34 +494,18 @@ TEST(NanPolicy, ScoresWithinRoundingOfFltMaxInBase2StayExact) {
   // 2.36e38 in base e. k_b = k_a / 2. The check's rounding margin must send the task to base e. Expected values
   // from a float64 loop on the float inputs: one-hot on key a.
   constexpr long D = 4;
-  const float q[D] = {5.591816521950167e18f, 5.87067521074253e18f, 7.06363818005391e18f, 6.86104876458967e18f};
+  const std::vector<float> q = {5.591816521950167e18f, 5.87067521074253e18f, 7.06363818005391e18f,
+                                6.86104876458967e18f};
   const float k_a = 1.3403708648589361e19f, k_b = k_a / 2, scale = 0.69314718f;
   const float v[2] = {1.5f, -2.0f};
   double dot = 0;
-  for (long d = 0; d < D; ++d) dot += double(q[d]);
+  for (long d = 0; d < D; ++d) dot += double(q[static_cast<std::size_t>(d)]);
   const Output expected =
       two_key_softmax(dot * double(k_a) * double(scale), dot * double(k_b) * double(scale), v[0], v[1]);
   std::vector<float> k(2 * D, k_a);
   std::fill(k.begin() + D, k.end(), k_b);
-  for (const long sq : {1L, 20L}) {
-    std::vector<float> qs;
-    for (long i = 0; i < sq; ++i) qs.insert(qs.end(), q, q + D);
-    for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-      SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " + std::to_string(sq));
-      std::vector<float> out(static_cast<std::size_t>(sq), kNaNf), lse(static_cast<std::size_t>(sq), kNaNf);
-      qkv::AttentionOptions<float> options;
-      options.scale = scale;
-      options.backend = backend;
-      qkv::attention<float>(qkv::view_bhsd(qs.data(), 1, 1, sq, D), qkv::view_bhsd(k.data(), 1, 1, 2, D),
-                            qkv::view_bhsd(v, 1, 1, 2, 1), qkv::view_bhsd(out.data(), 1, 1, sq, 1),
-                            qkv::TensorView3<float>(lse.data(), {1, 1, sq}), options);
-      for (long i = 0; i < sq; ++i) {
-        EXPECT_EQ(out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
-        EXPECT_NEAR(lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
-            << "row " << i;
-      }
-    }
-  }
+  expect_every_row(expected, 0, "",
+                   [&](qkv::Backend backend, long sq) { return run_two_keys(backend, sq, q, k, v, scale); });
 }
 
 TEST(NanPolicy, BiasBeyondFltMaxOverLog2eStaysExact) {
@@ -616,23 +513,13 @@ TEST(NanPolicy, BiasBeyondFltMaxOverLog2eStaysExact) {
   // ±3e38 on key a and ±2.9e38 on key b. The fused prefill path finishes such scores in base e and multiplies them
   // by log2 e, which overflows: the task must run in base e instead. Expected values from a float64 loop on the
   // float sums (each score + bias rounds to the bias in float: the ulp of 3e38 is 2e31).
-  const float q[2] = {1.0f, 2.0f}, k[4] = {1.0f, 0.0f, 0.0f, 1.0f}, v[2] = {1.5f, -2.0f};
+  const std::vector<float> q = {1.0f, 2.0f}, k = {1.0f, 0.0f, 0.0f, 1.0f};
+  const float v[2] = {1.5f, -2.0f};
   for (const float sign : {1.0f, -1.0f}) {
     const float bias[2] = {sign * 3e38f, sign * 2.9e38f};
     const double s_a = double(1.0f + bias[0]), s_b = double(2.0f + bias[1]);
-    const Output expected = two_key_softmax(s_a, s_b, v[0], v[1]);
-    for (const long sq : {1L, 20L}) {
-      for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
-        SCOPED_TRACE(std::string(backend == qkv::Backend::fused ? "fused" : "reference") + ", Sq " +
-                     std::to_string(sq) + ", sign " + std::to_string(sign));
-        const Output got = run_two_keys(backend, sq, q, k, v, 1.0f, bias);
-        for (long i = 0; i < sq; ++i) {
-          EXPECT_EQ(got.out[static_cast<std::size_t>(i)], expected.out[0]) << "row " << i;
-          EXPECT_NEAR(got.lse[static_cast<std::size_t>(i)], expected.lse[0], 1e-6 * std::fabs(expected.lse[0]))
-              << "row " << i;
-        }
-      }
-    }
+    expect_every_row(two_key_softmax(s_a, s_b, v[0], v[1]), 0, ", sign " + std::to_string(sign),
+                     [&](qkv::Backend backend, long sq) { return run_two_keys(backend, sq, q, k, v, 1.0f, bias); });
   }
 }
 
@@ -654,8 +541,8 @@ TEST(NanPolicy, FiniteScoresOfAnyMagnitudeGiveFiniteWeights) {
         pr.q_at(0, h, i, 0) = (i % 2 ? -magnitude : magnitude);  // odd rows favour key 0, even rows key 4
         pr.q_at(0, h, i, 1) = magnitude * 0.5;
       }
-    const Problem r = rounded<T>(pr);
-    const Output got = run<T>(r, backend);
+    const Problem r = qkv_test::rounded<T>(pr);
+    const Output got = qkv_test::run<T>(r, backend);
     for (long h = 0; h < 4; ++h)
       for (long i = 0; i < 3; ++i) {
         EXPECT_TRUE(std::isfinite(got.lse[flat(4, 3, 1, 0, h, i, 0)])) << "h " << h << " i " << i;
@@ -677,7 +564,7 @@ TEST(NanPolicy, NoKeysGiveZerosAndMinusInfinityLse) {
     for_each_backend([&](auto tag, qkv::Backend backend, const char* name) {
       using T = decltype(tag);
       SCOPED_TRACE(std::string(name) + (with_sinks ? ", sinks" : ""));
-      const Output got = run<T>(rounded<T>(pr), backend);
+      const Output got = qkv_test::run<T>(qkv_test::rounded<T>(pr), backend);
       for (double x : got.out) EXPECT_EQ(x, 0.0);
       for (std::size_t n = 0; n < got.lse.size(); ++n)
         EXPECT_EQ(got.lse[n], with_sinks ? pr.p.sinks[(n / 3) % 4] : -kInf) << "row " << n;

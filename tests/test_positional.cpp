@@ -10,40 +10,31 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <random>
-#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "qkv/positional.hpp"
 #include "qkv/sdpa.hpp"
+#include "support/expect_shape_error.hpp"
+#include "support/problem.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
 using qkv::Index;
 using qkv::Matrix;
-
-template <class T>
-Matrix<T> random_matrix(Index rows, Index cols, unsigned seed, double scale = 1.0) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal(0.0, scale);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(normal(rng));
-  return m;
-}
+using qkv_test::random_matrix;
 
 template <class T>
 struct Positional : ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Positional, Scalars, );
+TYPED_TEST_SUITE(Positional, qkv_test::Scalars, );
 
 template <class T>
 double eps() {
   return std::is_same_v<T, float> ? 1e-6 : 1e-13;  // one rounding of an O(1) value to T, with margin
 }
 
-/// Two attention calls on the same math, each within the reference path's bound of float64 (DESIGN.md, Accuracy:
+/// Two attention calls on the same math, each within the reference path's bound of float64 (docs/design.md, Accuracy:
 /// 1e-6·max(1, max|V|) in float), differ by at most twice that bound.
 template <class T>
 double attention_tolerance(const Matrix<T>& V) {
@@ -458,17 +449,7 @@ TEST(PermutationEquivariance, SinusoidalEncodingBreaksIt) {
 
 // ---- errors --------------------------------------------------------------------------------------------------------
 
-template <class F>
-void expect_shape_error(F call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected qkv::shape_error";
-  } catch (const qkv::shape_error& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
-  }
-}
+using qkv_test::expect_shape_error;
 
 TEST(PositionalErrors, EveryThrow) {
   expect_shape_error([] { qkv::sinusoidal_encoding<float>(-1, 4); }, {"qkv::sinusoidal_encoding", "length is -1"});

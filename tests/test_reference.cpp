@@ -1,8 +1,8 @@
 // tests/test_reference.cpp — qkv::attention (Backend::reference and the default `automatic`) in float and
-// double against the independent float64 brute force of brute_force.hpp, which follows DESIGN.md's
+// double against the independent float64 brute force of brute_force.hpp, which follows docs/design.md's
 // "Semantics every path shares" literally.
 //
-// Tolerances are DESIGN.md's accuracy rule for the reference path, never loosened: the maximum absolute
+// Tolerances are docs/design.md's accuracy rule for the reference path, never loosened: the maximum absolute
 // output error is at most 1e-12·max(1, max|V|) in double and 1e-6·max(1, max|V|) in float. The brute force
 // sees exactly the inputs the library sees (every float input is rounded to float first), so these bounds
 // measure the library's arithmetic alone. The lse is compared with the same epsilon relative to max(1, |lse|).
@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
-#include <memory>
 #include <optional>
 #include <ostream>
 #include <qkv/qkv.hpp>
@@ -26,10 +25,16 @@
 #include <vector>
 
 #include "brute_force.hpp"
+#include "support/problem.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
+using brute::flat;
 using qkv::Index;
+using qkv_test::make_problem;
+using qkv_test::Problem;
+using qkv_test::rounded;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr qkv::Backend kBackends[] = {qkv::Backend::reference, qkv::Backend::automatic};
@@ -38,50 +43,11 @@ const char* backend_name(qkv::Backend backend) {
   return backend == qkv::Backend::reference ? "backend=reference" : "backend=automatic";
 }
 
-using Scalars = ::testing::Types<float, double>;
-
 // ---------------------------------------------------------------------------------------------------------
-// Problems: dimensions and options for the brute force, plus dense BHSD q, k, v in double.
-
-struct Shape {
-  long B, Hq, Hkv, Sq, Skv, D, Dv;
-};
-
-struct Problem {
-  brute::Params p;
-  std::vector<double> q, k, v;  // [B, Hq, Sq, D], [B, Hkv, Skv, D], [B, Hkv, Skv, Dv]
-};
+// Problems (support/problem.hpp: shapes and options for the brute force, dense BHSD q, k, v in double) and their
+// masks.
 
 std::size_t count(long a, long b, long c, long d) { return static_cast<std::size_t>(a * b * c * d); }
-
-// Flat index of (i0, i1, i2, i3) in a dense tensor of extents [*, n1, n2, n3].
-std::size_t flat(long n1, long n2, long n3, long i0, long i1, long i2, long i3) {
-  return static_cast<std::size_t>(((i0 * n1 + i1) * n2 + i2) * n3 + i3);
-}
-
-std::vector<double> random_normal(std::size_t n, std::mt19937_64& rng) {
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<double> x(n);
-  for (double& value : x) value = normal(rng);
-  return x;
-}
-
-std::vector<double> random_uniform(std::size_t n, double low, double high, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> uniform(low, high);
-  std::vector<double> x(n);
-  for (double& value : x) value = uniform(rng);
-  return x;
-}
-
-Problem make_problem(const Shape& s, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  Problem pr;
-  pr.p.B = s.B, pr.p.Hq = s.Hq, pr.p.Hkv = s.Hkv, pr.p.Sq = s.Sq, pr.p.Skv = s.Skv, pr.p.D = s.D, pr.p.Dv = s.Dv;
-  pr.q = random_normal(count(s.B, s.Hq, s.Sq, s.D), rng);
-  pr.k = random_normal(count(s.B, s.Hkv, s.Skv, s.D), rng);
-  pr.v = random_normal(count(s.B, s.Hkv, s.Skv, s.Dv), rng);
-  return pr;
-}
 
 brute::Broadcast4<char> random_allowed(std::array<long, 4> extents, std::mt19937_64& rng, double p_true = 0.75) {
   std::bernoulli_distribution coin(p_true);
@@ -97,7 +63,7 @@ brute::Broadcast4<double> random_bias(std::array<long, 4> extents, std::mt19937_
   std::bernoulli_distribution coin(p_minus_inf);
   brute::Broadcast4<double> bias;
   bias.extents = extents;
-  bias.data = random_normal(count(extents[0], extents[1], extents[2], extents[3]), rng);
+  bias.data = qkv_test::random_normal(count(extents[0], extents[1], extents[2], extents[3]), rng);
   for (double& b : bias.data)
     if (coin(rng)) b = -kInf;
   return bias;
@@ -119,27 +85,10 @@ double max_abs_finite(const std::vector<double>& x) {
   return m;
 }
 
-// DESIGN.md's bound for the reference path: kEps · max(1, max|V|).
+// docs/design.md's bound for the reference path: kEps · max(1, max|V|).
 template <class T>
 double output_tolerance(const Problem& pr) {
   return kEps<T> * std::max(1.0, max_abs_finite(pr.v));
-}
-
-template <class T>
-double round_to(double x) {
-  return static_cast<double>(static_cast<T>(x));
-}
-
-// The problem as the library sees it in T: every input rounded to T (and back to double for the brute force).
-template <class T>
-Problem rounded(Problem pr) {
-  for (std::vector<double>* values : {&pr.q, &pr.k, &pr.v, &pr.p.alibi_slopes, &pr.p.sinks})
-    for (double& x : *values) x = round_to<T>(x);
-  if (pr.p.bias)
-    for (double& x : pr.p.bias->data) x = round_to<T>(x);
-  if (pr.p.scale) pr.p.scale = round_to<T>(*pr.p.scale);
-  pr.p.softcap = round_to<T>(pr.p.softcap);
-  return pr;
 }
 
 template <class T>
@@ -153,70 +102,7 @@ std::vector<double> to_double(const std::vector<T>& x) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Running qkv: the inputs in T, the option views, and their backing storage (kept alive, never moved).
-
-template <class T>
-struct Inputs {
-  Inputs(const Problem& pr, qkv::Backend backend)
-      : p(pr.p), q(convert<T>(pr.q)), k(convert<T>(pr.k)), v(convert<T>(pr.v)) {
-    if (p.scale) options.scale = static_cast<T>(*p.scale);
-    options.softcap = static_cast<T>(p.softcap);
-    options.causal = p.causal;
-    options.alignment =
-        p.alignment == brute::Alignment::top_left ? qkv::CausalAlignment::top_left : qkv::CausalAlignment::bottom_right;
-    options.window_left = p.window_left;
-    options.window_right = p.window_right;
-    options.global_tokens = p.global_tokens;
-    options.key_lengths.assign(p.key_lengths.begin(), p.key_lengths.end());
-    if (p.allowed) {
-      const auto& e = p.allowed->extents;
-      allowed.reset(new bool[std::max<std::size_t>(1, p.allowed->data.size())]);
-      for (std::size_t n = 0; n < p.allowed->data.size(); ++n) allowed[n] = p.allowed->data[n] != 0;
-      options.allowed = qkv::TensorView4<const bool>(allowed.get(), {e[0], e[1], e[2], e[3]});
-    }
-    if (p.bias) {
-      const auto& e = p.bias->extents;
-      bias = convert<T>(p.bias->data);
-      options.bias = qkv::TensorView4<const T>(bias.data(), {e[0], e[1], e[2], e[3]});
-    }
-    options.alibi_slopes = convert<T>(p.alibi_slopes);
-    options.sinks = convert<T>(p.sinks);
-    options.cu_seqlens_q.assign(p.cu_seqlens_q.begin(), p.cu_seqlens_q.end());
-    options.cu_seqlens_k.assign(p.cu_seqlens_k.begin(), p.cu_seqlens_k.end());
-    options.backend = backend;
-  }
-  Inputs(const Inputs&) = delete;
-  Inputs& operator=(const Inputs&) = delete;
-
-  qkv::TensorView4<const T> q_view() const { return qkv::TensorView4<const T>(q.data(), {p.B, p.Hq, p.Sq, p.D}); }
-  qkv::TensorView4<const T> k_view() const { return qkv::TensorView4<const T>(k.data(), {p.B, p.Hkv, p.Skv, p.D}); }
-  qkv::TensorView4<const T> v_view() const { return qkv::TensorView4<const T>(v.data(), {p.B, p.Hkv, p.Skv, p.Dv}); }
-
-  brute::Params p;
-  std::vector<T> q, k, v, bias;
-  std::unique_ptr<bool[]> allowed;
-  qkv::AttentionOptions<T> options;
-};
-
-struct Output {
-  std::vector<double> out, lse;   // from attention(q, k, v, out, lse, options)
-  std::vector<double> out_alone;  // from attention(q, k, v, out, options)
-};
-
-// Runs both forms of qkv::attention. Outputs start as NaN, so an element the library does not write shows.
-template <class T>
-Output run(const Problem& pr, qkv::Backend backend) {
-  const brute::Params& p = pr.p;
-  const Inputs<T> in(pr, backend);
-  const T nan = std::numeric_limits<T>::quiet_NaN();
-  std::vector<T> out(count(p.B, p.Hq, p.Sq, p.Dv), nan), lse(count(p.B, p.Hq, p.Sq, 1), nan);
-  std::vector<T> out_alone(out.size(), nan);
-  qkv::attention(in.q_view(), in.k_view(), in.v_view(), qkv::TensorView4<T>(out.data(), {p.B, p.Hq, p.Sq, p.Dv}),
-                 qkv::TensorView3<T>(lse.data(), {p.B, p.Hq, p.Sq}), in.options);
-  qkv::attention(in.q_view(), in.k_view(), in.v_view(), qkv::TensorView4<T>(out_alone.data(), {p.B, p.Hq, p.Sq, p.Dv}),
-                 in.options);
-  return {to_double(out), to_double(lse), to_double(out_alone)};
-}
+// Running qkv (support/problem.hpp: Inputs, run) and comparing.
 
 // Every element of `got` is within abs_tol + rel_tol·|want| of `want`; an infinite `want` must be met exactly
 // and NaN never matches.
@@ -250,21 +136,18 @@ void check_against_brute(const Problem& original) {
   const double tol = output_tolerance<T>(pr);
   for (qkv::Backend backend : kBackends) {
     SCOPED_TRACE(backend_name(backend));
-    const Output got = run<T>(pr, backend);
+    const auto got = qkv_test::run<T>(pr, backend);
     EXPECT_TRUE(near(got.out, want.out, tol)) << "out";
     EXPECT_TRUE(near(got.lse, want.lse, kEps<T>, kEps<T>)) << "lse";
     EXPECT_TRUE(near(got.out_alone, want.out, tol)) << "out of the form without lse";
     if (p.sinks.empty()) continue;
-    for (long b = 0; b < p.B; ++b)
-      for (long h = 0; h < p.Hq; ++h)
-        for (long i = 0; i < p.Sq; ++i) {
-          double row_sum = 0;
-          for (long j = 0; j < p.Skv; ++j) row_sum += want.weights[flat(p.Hq, p.Sq, p.Skv, b, h, i, j)];
-          if (row_sum == 0) continue;  // a row that sees no key: lse = sink, checked above
-          const double lse = got.lse[flat(p.Hq, p.Sq, 1, b, h, i, 0)];
-          EXPECT_NEAR(row_sum, 1.0 - std::exp(p.sinks[h] - lse), kEps<T> * std::max(1.0, std::abs(lse)))
-              << "b=" << b << " h=" << h << " i=" << i;
-        }
+    brute::for_each_row(p, [&](long b, long h, long i) {
+      const double row_sum = brute::row_weight_sum(want, p, b, h, i);
+      if (row_sum == 0) return;  // a row that sees no key: lse = sink, checked above
+      const double lse = got.lse[flat(p.Hq, p.Sq, 1, b, h, i, 0)];
+      EXPECT_NEAR(row_sum, 1.0 - std::exp(p.sinks[h] - lse), kEps<T> * std::max(1.0, std::abs(lse)))
+          << "b=" << b << " h=" << h << " i=" << i;
+    });
   }
 }
 
@@ -283,7 +166,7 @@ void check_weights(const Problem& original) {
   const Problem pr = rounded<T>(original);
   const brute::Params& p = pr.p;
   const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
-  const Inputs<T> in(pr, qkv::Backend::reference);
+  const qkv_test::Inputs<T> in(pr, qkv::Backend::reference);
   for (qkv::Backend backend : kBackends)
     for (long b = 0; b < p.B; ++b)
       for (long h = 0; h < p.Hq; ++h) {
@@ -400,7 +283,8 @@ std::vector<Config> grid_configs() {
          p.scale = 1.0, p.softcap = 1.5;
          set_causal(p, Alignment::top_left);
        }},
-      {"sinks", [](Params& p, Rng& rng) { p.sinks = random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng); }},
+      {"sinks",
+       [](Params& p, Rng& rng) { p.sinks = qkv_test::random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng); }},
       {"combo_masks",
        [](Params& p, Rng& rng) {
          set_causal(p, Alignment::top_left);
@@ -414,7 +298,7 @@ std::vector<Config> grid_configs() {
          set_causal(p, Alignment::bottom_right);
          p.scale = 0.8, p.softcap = 3.0;
          p.alibi_slopes = alibi_slopes(p.Hq);
-         p.sinks = random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng);
+         p.sinks = qkv_test::random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng);
          p.bias = random_bias({p.B, 1, 1, p.Skv}, rng, 0.1);
        }},
       {"combo_all",
@@ -426,7 +310,7 @@ std::vector<Config> grid_configs() {
          p.bias = random_bias({p.B, p.Hq, 1, p.Skv}, rng, 0.1);
          p.alibi_slopes = alibi_slopes(p.Hq);
          p.softcap = 4.0;
-         p.sinks = random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng);
+         p.sinks = qkv_test::random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng);
        }},
   };
   struct Window {
@@ -462,7 +346,7 @@ std::vector<Config> grid_configs() {
                        }});
     configs.push_back({"sinks_causal" + suffix, [alignment](Params& p, Rng& rng) {
                          set_causal(p, alignment);
-                         p.sinks = random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng);
+                         p.sinks = qkv_test::random_uniform(static_cast<std::size_t>(p.Hq), -1, 2, rng);
                        }});
   }
   return configs;
@@ -470,7 +354,7 @@ std::vector<Config> grid_configs() {
 
 struct GridCase {
   std::string name;
-  Shape shape;
+  qkv_test::Shape shape;
   Config config;
   std::uint64_t seed;
 
@@ -485,14 +369,14 @@ struct GridCase {
 void PrintTo(const GridCase& c, std::ostream* os) { *os << c.name; }
 
 std::vector<GridCase> grid_cases() {
-  const Shape shapes[] = {
+  const qkv_test::Shape shapes[] = {
       {1, 1, 1, 1, 1, 1, 1},     {1, 1, 1, 1, 64, 16, 16},  {2, 2, 1, 3, 5, 3, 3},
       {1, 2, 2, 5, 3, 5, 5},     {2, 3, 3, 17, 17, 16, 16}, {1, 4, 2, 16, 17, 17, 5},
       {1, 2, 1, 64, 64, 64, 64}, {2, 1, 1, 17, 64, 16, 33}, {1, 2, 2, 64, 17, 8, 8},
   };
   std::vector<GridCase> cases;
   std::uint64_t seed = 1000;
-  for (const Shape& s : shapes)
+  for (const qkv_test::Shape& s : shapes)
     for (const Config& config : grid_configs()) {
       const std::string name = "B" + std::to_string(s.B) + "_H" + std::to_string(s.Hq) + "x" + std::to_string(s.Hkv) +
                                "_Sq" + std::to_string(s.Sq) + "_Skv" + std::to_string(s.Skv) + "_D" +
@@ -513,20 +397,38 @@ INSTANTIATE_TEST_SUITE_P(ShapesByOptions, ReferenceGrid, ::testing::ValuesIn(gri
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------------------
-// Edge cases, in float and double.
+// The typed suites below, each over float and double: one empty fixture under five names.
 
 template <class T>
-class EdgeCases : public ::testing::Test {};
-TYPED_TEST_SUITE(EdgeCases, Scalars, );
+class ScalarSuite : public ::testing::Test {};
+template <class T>
+using EdgeCases = ScalarSuite<T>;
+template <class T>
+using GroupedQuery = ScalarSuite<T>;
+template <class T>
+using Layouts = ScalarSuite<T>;
+template <class T>
+using Varlen = ScalarSuite<T>;
+template <class T>
+using MergeStates = ScalarSuite<T>;
+
+// ---------------------------------------------------------------------------------------------------------
+// Edge cases, in float and double.
+
+TYPED_TEST_SUITE(EdgeCases, qkv_test::Scalars, );
+
+/// A row of the edge-case tables: a name, a shape, what the case sets in the options and what the test expects.
+template <class Expected>
+struct EdgeCase {
+  const char* name;
+  qkv_test::Shape shape;
+  std::function<void(brute::Params&)> apply;
+  Expected expected;
+};
 
 TYPED_TEST(EdgeCases, RowThatSeesNoKeyGetsZerosAndMinusInfinityLse) {
   using T = TypeParam;
-  struct Case {
-    const char* name;
-    Shape shape;
-    std::function<void(brute::Params&)> apply;
-    long expected_empty_rows;  // over all (b, h, i)
-  };
+  using Case = EdgeCase<long>;  // expected: the number of rows that see no key, over all (b, h, i)
   const Case cases[] = {
       {"allowed row all false",
        {1, 2, 2, 4, 6, 4, 4},
@@ -572,29 +474,26 @@ TYPED_TEST(EdgeCases, RowThatSeesNoKeyGetsZerosAndMinusInfinityLse) {
       const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
       for (qkv::Backend backend : kBackends) {
         SCOPED_TRACE(backend_name(backend));
-        const Output got = run<T>(pr, backend);
+        const auto got = qkv_test::run<T>(pr, backend);
         long empty_rows = 0;
-        for (long b = 0; b < p.B; ++b)
-          for (long h = 0; h < p.Hq; ++h)
-            for (long i = 0; i < p.Sq; ++i) {
-              double weight_sum = 0;
-              for (long j = 0; j < p.Skv; ++j) weight_sum += want.weights[flat(p.Hq, p.Sq, p.Skv, b, h, i, j)];
-              const double lse = got.lse[flat(p.Hq, p.Sq, 1, b, h, i, 0)];
-              EXPECT_FALSE(std::isnan(lse));
-              for (long d = 0; d < p.Dv; ++d) EXPECT_FALSE(std::isnan(got.out[flat(p.Hq, p.Sq, p.Dv, b, h, i, d)]));
-              if (weight_sum != 0) continue;
-              ++empty_rows;
-              for (long d = 0; d < p.Dv; ++d) {
-                EXPECT_EQ(got.out[flat(p.Hq, p.Sq, p.Dv, b, h, i, d)], 0.0) << "b=" << b << " h=" << h << " i=" << i;
-                EXPECT_EQ(got.out_alone[flat(p.Hq, p.Sq, p.Dv, b, h, i, d)], 0.0);
-              }
-              if (with_sinks) {
-                EXPECT_EQ(lse, p.sinks[h]) << "an empty row's lse is its sink logit";
-              } else {
-                EXPECT_TRUE(std::isinf(lse) && lse < 0) << "lse " << lse << " at b=" << b << " h=" << h << " i=" << i;
-              }
-            }
-        EXPECT_EQ(empty_rows, c.expected_empty_rows);
+        brute::for_each_row(p, [&](long b, long h, long i) {
+          const double weight_sum = brute::row_weight_sum(want, p, b, h, i);
+          const double lse = got.lse[flat(p.Hq, p.Sq, 1, b, h, i, 0)];
+          EXPECT_FALSE(std::isnan(lse));
+          for (long d = 0; d < p.Dv; ++d) EXPECT_FALSE(std::isnan(got.out[flat(p.Hq, p.Sq, p.Dv, b, h, i, d)]));
+          if (weight_sum != 0) return;
+          ++empty_rows;
+          for (long d = 0; d < p.Dv; ++d) {
+            EXPECT_EQ(got.out[flat(p.Hq, p.Sq, p.Dv, b, h, i, d)], 0.0) << "b=" << b << " h=" << h << " i=" << i;
+            EXPECT_EQ(got.out_alone[flat(p.Hq, p.Sq, p.Dv, b, h, i, d)], 0.0);
+          }
+          if (with_sinks) {
+            EXPECT_EQ(lse, p.sinks[h]) << "an empty row's lse is its sink logit";
+          } else {
+            EXPECT_TRUE(std::isinf(lse) && lse < 0) << "lse " << lse << " at b=" << b << " h=" << h << " i=" << i;
+          }
+        });
+        EXPECT_EQ(empty_rows, c.expected);
         EXPECT_TRUE(near(got.out, want.out, output_tolerance<T>(pr)));
         EXPECT_TRUE(near(got.lse, want.lse, kEps<T>, kEps<T>));
       }
@@ -610,12 +509,7 @@ void poison_key(Problem& pr, long b, long h_kv, long j) {
 
 TYPED_TEST(EdgeCases, NanInHiddenKeyOrValueSlotsDoesNotReachTheOutput) {
   using T = TypeParam;
-  struct Case {
-    const char* name;
-    Shape shape;
-    std::function<void(brute::Params&)> apply;
-    std::vector<std::array<long, 3>> hidden;  // (b, h_kv, j) hidden from every query
-  };
+  using Case = EdgeCase<std::vector<std::array<long, 3>>>;  // expected: the (b, h_kv, j) hidden from every query
   std::vector<Case> cases = {
       {"past key_lengths",
        {2, 2, 1, 5, 8, 4, 3},
@@ -659,15 +553,15 @@ TYPED_TEST(EdgeCases, NanInHiddenKeyOrValueSlotsDoesNotReachTheOutput) {
     c.apply(clean.p);
     clean = rounded<T>(clean);
     Problem poisoned = clean;
-    for (const auto& slot : c.hidden) poison_key(poisoned, slot[0], slot[1], slot[2]);
+    for (const auto& slot : c.expected) poison_key(poisoned, slot[0], slot[1], slot[2]);
     const brute::Result want = brute::attention(clean.q, clean.k, clean.v, clean.p);
     const brute::Result want_poisoned = brute::attention(poisoned.q, poisoned.k, poisoned.v, poisoned.p);
     ASSERT_TRUE(near(want_poisoned.out, want.out, 0)) << "the brute force itself reads a hidden slot";
     for (qkv::Backend backend : kBackends) {
       SCOPED_TRACE(backend_name(backend));
-      const Output got_clean = run<T>(clean, backend);
-      const Output got = run<T>(poisoned, backend);
-      // "Equals the run without NaN" within DESIGN.md's accuracy rule: a path may sum in another order once
+      const auto got_clean = qkv_test::run<T>(clean, backend);
+      const auto got = qkv_test::run<T>(poisoned, backend);
+      // "Equals the run without NaN" within docs/design.md's accuracy rule: a path may sum in another order once
       // it meets non-finite data (bits may differ), but nothing of the hidden slots may show.
       const double tol = output_tolerance<T>(clean);
       EXPECT_TRUE(near(got_clean.out, want.out, tol));
@@ -681,7 +575,7 @@ TYPED_TEST(EdgeCases, NanInHiddenKeyOrValueSlotsDoesNotReachTheOutput) {
 
 TYPED_TEST(EdgeCases, NanInVisibleQueryKeyOrValueTouchesOnlyItsRows) {
   using T = TypeParam;
-  const Shape shape{2, 4, 2, 9, 9, 8, 6};
+  const qkv_test::Shape shape{2, 4, 2, 9, 9, 8, 6};
   Problem clean = make_problem(shape, 13);
   set_causal(clean.p, brute::Alignment::bottom_right);
   clean = rounded<T>(clean);
@@ -711,24 +605,22 @@ TYPED_TEST(EdgeCases, NanInVisibleQueryKeyOrValueTouchesOnlyItsRows) {
     c.poison(poisoned);
     for (qkv::Backend backend : kBackends) {
       SCOPED_TRACE(backend_name(backend));
-      const Output got = run<T>(poisoned, backend);
+      const auto got = qkv_test::run<T>(poisoned, backend);
       long touched_rows = 0;
-      for (long b = 0; b < p.B; ++b)
-        for (long h = 0; h < p.Hq; ++h)
-          for (long i = 0; i < p.Sq; ++i) {
-            const std::size_t row = flat(p.Hq, p.Sq, p.Dv, b, h, i, 0);
-            const std::vector<double> got_row(got.out.begin() + row, got.out.begin() + row + p.Dv);
-            const std::vector<double> want_row(want.out.begin() + row, want.out.begin() + row + p.Dv);
-            if (!c.touched(b, h, i)) {
-              EXPECT_TRUE(near(got_row, want_row, tol)) << "untouched row b=" << b << " h=" << h << " i=" << i;
-              continue;
-            }
-            ++touched_rows;
-            if (!c.whole_row_nan) continue;
-            for (double x : got_row) {
-              EXPECT_TRUE(std::isnan(x)) << "NaN propagates in b=" << b << " h=" << h << " i=" << i;
-            }
-          }
+      brute::for_each_row(p, [&](long b, long h, long i) {
+        const std::size_t row = flat(p.Hq, p.Sq, p.Dv, b, h, i, 0);
+        const std::vector<double> got_row(got.out.begin() + row, got.out.begin() + row + p.Dv);
+        const std::vector<double> want_row(want.out.begin() + row, want.out.begin() + row + p.Dv);
+        if (!c.touched(b, h, i)) {
+          EXPECT_TRUE(near(got_row, want_row, tol)) << "untouched row b=" << b << " h=" << h << " i=" << i;
+          return;
+        }
+        ++touched_rows;
+        if (!c.whole_row_nan) return;
+        for (double x : got_row) {
+          EXPECT_TRUE(std::isnan(x)) << "NaN propagates in b=" << b << " h=" << h << " i=" << i;
+        }
+      });
       EXPECT_GT(touched_rows, 0);
     }
   }
@@ -744,7 +636,7 @@ TYPED_TEST(EdgeCases, NoKeysGiveZerosAndMinusInfinityLse) {
       if (with_sinks) pr.p.sinks = {0.5, -1.25};
       for (qkv::Backend backend : kBackends) {
         SCOPED_TRACE(backend_name(backend));
-        const Output got = run<T>(pr, backend);
+        const auto got = qkv_test::run<T>(pr, backend);
         ASSERT_EQ(got.out.size(), count(2, 2, 3, 5));
         for (double x : got.out) EXPECT_EQ(x, 0.0);
         for (double x : got.out_alone) EXPECT_EQ(x, 0.0);
@@ -779,7 +671,8 @@ TYPED_TEST(EdgeCases, NoQueriesWriteNothing) {
 }
 
 TYPED_TEST(EdgeCases, ValueWidthDiffersFromKeyWidth) {
-  for (const Shape& s : {Shape{1, 2, 1, 5, 7, 3, 7}, Shape{2, 2, 2, 17, 16, 16, 1}, Shape{1, 1, 1, 16, 17, 64, 5}}) {
+  for (const qkv_test::Shape& s : {qkv_test::Shape{1, 2, 1, 5, 7, 3, 7}, qkv_test::Shape{2, 2, 2, 17, 16, 16, 1},
+                                   qkv_test::Shape{1, 1, 1, 16, 17, 64, 5}}) {
     Problem pr = make_problem(s, 19);
     set_causal(pr.p, brute::Alignment::top_left);
     check_against_brute<TypeParam>(pr);
@@ -806,7 +699,7 @@ TYPED_TEST(EdgeCases, ScaleZeroGivesTheMeanOfTheVisibleValues) {
       }
   for (qkv::Backend backend : kBackends) {
     SCOPED_TRACE(backend_name(backend));
-    const Output got = run<T>(pr, backend);
+    const auto got = qkv_test::run<T>(pr, backend);
     EXPECT_TRUE(near(got.out, mean, output_tolerance<T>(pr)));
   }
   check_against_brute<T>(pr);
@@ -837,7 +730,7 @@ TYPED_TEST(EdgeCases, ScoresNear1e30GiveFiniteOneHotWeights) {
     const brute::Result want = brute::attention(pr.q, pr.k, pr.v, p);
     for (qkv::Backend backend : kBackends) {
       SCOPED_TRACE(backend_name(backend));
-      const Output got = run<T>(pr, backend);
+      const auto got = qkv_test::run<T>(pr, backend);
       for (long i = 0; i < p.Sq; ++i) {
         const double lse = got.lse[static_cast<std::size_t>(i)];
         EXPECT_TRUE(std::isfinite(lse)) << "lse " << lse << " of row " << i;
@@ -872,9 +765,7 @@ TYPED_TEST(EdgeCases, ScoresNear1e30GiveFiniteOneHotWeights) {
 // ---------------------------------------------------------------------------------------------------------
 // GQA and MQA: query head h reads key/value head h / (Hq / Hkv).
 
-template <class T>
-class GroupedQuery : public ::testing::Test {};
-TYPED_TEST_SUITE(GroupedQuery, Scalars, );
+TYPED_TEST_SUITE(GroupedQuery, qkv_test::Scalars, );
 
 TYPED_TEST(GroupedQuery, QueryHeadsReadTheirGroupsKeyValueHead) {
   using T = TypeParam;
@@ -890,7 +781,7 @@ TYPED_TEST(GroupedQuery, QueryHeadsReadTheirGroupsKeyValueHead) {
     pr = rounded<T>(pr);
     check_against_brute<T>(pr);
 
-    const Inputs<T> in(pr, qkv::Backend::reference);
+    const qkv_test::Inputs<T> in(pr, qkv::Backend::reference);
     for (qkv::Backend backend : kBackends) {
       SCOPED_TRACE(backend_name(backend));
       std::vector<T> out(count(B, Hq, Sq, Dv));
@@ -928,9 +819,7 @@ TYPED_TEST(GroupedQuery, QueryHeadsReadTheirGroupsKeyValueHead) {
 // ---------------------------------------------------------------------------------------------------------
 // Layouts: BSHD and BHSD views of the same data; rows padded beyond D.
 
-template <class T>
-class Layouts : public ::testing::Test {};
-TYPED_TEST_SUITE(Layouts, Scalars, );
+TYPED_TEST_SUITE(Layouts, qkv_test::Scalars, );
 
 TYPED_TEST(Layouts, BshdAndBhsdViewsGiveTheSameOutput) {
   using T = TypeParam;
@@ -940,7 +829,7 @@ TYPED_TEST(Layouts, BshdAndBhsdViewsGiveTheSameOutput) {
   pr.p.window_left = 7;
   pr = rounded<T>(pr);
   const brute::Result want = brute::attention(pr.q, pr.k, pr.v, pr.p);
-  const Inputs<T> in(pr, qkv::Backend::reference);
+  const qkv_test::Inputs<T> in(pr, qkv::Backend::reference);
   // The same data laid out [B, S, H, D].
   const auto to_bshd = [](const std::vector<T>& bhsd, long B_, long H, long S, long D_) {
     std::vector<T> bshd(bhsd.size());
@@ -983,7 +872,7 @@ TYPED_TEST(Layouts, PaddedRowsAreNeitherReadNorWritten) {
   set_causal(pr.p, brute::Alignment::top_left);
   pr = rounded<T>(pr);
   const brute::Result want = brute::attention(pr.q, pr.k, pr.v, pr.p);
-  const Inputs<T> in(pr, qkv::Backend::reference);
+  const qkv_test::Inputs<T> in(pr, qkv::Backend::reference);
   // Rows of width D + pad whose padding holds NaN.
   const auto padded = [](const std::vector<T>& dense, long rows, long width, long extra) {
     std::vector<T> buffer(static_cast<std::size_t>(rows * (width + extra)), std::numeric_limits<T>::quiet_NaN());
@@ -1017,9 +906,7 @@ TYPED_TEST(Layouts, PaddedRowsAreNeitherReadNorWritten) {
 // ---------------------------------------------------------------------------------------------------------
 // Varlen: packed sequences equal running each sequence alone.
 
-template <class T>
-class Varlen : public ::testing::Test {};
-TYPED_TEST_SUITE(Varlen, Scalars, );
+TYPED_TEST_SUITE(Varlen, qkv_test::Scalars, );
 
 TYPED_TEST(Varlen, PackedSequencesEqualEachSequenceAlone) {
   using T = TypeParam;
@@ -1052,11 +939,11 @@ TYPED_TEST(Varlen, PackedSequencesEqualEachSequenceAlone) {
     check_against_brute<T>(pr);
 
     pr = rounded<T>(pr);
-    const Inputs<T> in(pr, qkv::Backend::reference);
+    const qkv_test::Inputs<T> in(pr, qkv::Backend::reference);
     const double tol = output_tolerance<T>(pr);
     for (qkv::Backend backend : kBackends) {
       SCOPED_TRACE(backend_name(backend));
-      const Output packed = run<T>(pr, backend);
+      const auto packed = qkv_test::run<T>(pr, backend);
       qkv::AttentionOptions<T> alone_options = in.options;
       alone_options.cu_seqlens_q.clear();
       alone_options.cu_seqlens_k.clear();
@@ -1087,9 +974,7 @@ TYPED_TEST(Varlen, PackedSequencesEqualEachSequenceAlone) {
 // ---------------------------------------------------------------------------------------------------------
 // merge_attention_states: two key halves merged equal one pass over all keys.
 
-template <class T>
-class MergeStates : public ::testing::Test {};
-TYPED_TEST_SUITE(MergeStates, Scalars, );
+TYPED_TEST_SUITE(MergeStates, qkv_test::Scalars, );
 
 TYPED_TEST(MergeStates, TwoKeyHalvesEqualOnePass) {
   using T = TypeParam;
@@ -1105,7 +990,7 @@ TYPED_TEST(MergeStates, TwoKeyHalvesEqualOnePass) {
   pr.p.allowed = allowed;
   pr = rounded<T>(pr);
   const brute::Result want = brute::attention(pr.q, pr.k, pr.v, pr.p);
-  const Inputs<T> in(pr, qkv::Backend::reference);
+  const qkv_test::Inputs<T> in(pr, qkv::Backend::reference);
   const double tol = output_tolerance<T>(pr);
   for (long m : {0L, 4L, 10L, 11L})
     for (qkv::Backend backend : kBackends) {
@@ -1152,10 +1037,11 @@ TYPED_TEST(MergeStates, MinusInfinityStatesContributeNothing) {
   using T = TypeParam;
   const long B = 1, H = 2, S = 3, Dv = 4;
   std::mt19937_64 rng(53);
-  const std::vector<double> a = random_normal(count(B, H, S, Dv), rng), b = random_normal(count(B, H, S, Dv), rng);
+  const std::vector<double> a = qkv_test::random_normal(count(B, H, S, Dv), rng),
+                            b = qkv_test::random_normal(count(B, H, S, Dv), rng);
   std::vector<T> out_a = convert<T>(a), out_b = convert<T>(b);
-  std::vector<T> lse_a = convert<T>(random_uniform(count(B, H, S, 1), -2, 3, rng));
-  std::vector<T> lse_b = convert<T>(random_uniform(count(B, H, S, 1), -2, 3, rng));
+  std::vector<T> lse_a = convert<T>(qkv_test::random_uniform(count(B, H, S, 1), -2, 3, rng));
+  std::vector<T> lse_b = convert<T>(qkv_test::random_uniform(count(B, H, S, 1), -2, 3, rng));
   const T minus_inf = -std::numeric_limits<T>::infinity();
   // Row (h, i) = (0, 0): b is −∞; (0, 1): a is −∞; (1, 2): both are −∞. The −∞ states hold arbitrary finite
   // outputs (5), which must not leak.

@@ -8,30 +8,23 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "qkv/scoring.hpp"
 #include "qkv/sdpa.hpp"
+#include "support/expect_shape_error.hpp"
+#include "support/problem.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
 using qkv::Index;
 using qkv::Matrix;
+using qkv_test::random_matrix;
 using Vec = std::vector<double>;
 using Table = std::vector<std::vector<double>>;  // [row][column]
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-template <class T>
-Matrix<T> random_matrix(Index rows, Index cols, unsigned seed, double scale = 1.0) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal(0.0, scale);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(normal(rng));
-  return m;
-}
 
 template <class T>
 Table to_table(const Matrix<T>& m) {
@@ -195,8 +188,7 @@ struct Masks {
 
 template <class T>
 struct Scoring : ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Scoring, Scalars, );
+TYPED_TEST_SUITE(Scoring, qkv_test::Scalars, );
 
 TYPED_TEST(Scoring, AdditiveMatchesSeedColumnFormBruteForce) {
   using T = TypeParam;
@@ -395,18 +387,7 @@ TEST(ScoringSeed, ColumnFormWeightsByHand) {
   EXPECT_NEAR(r.context(0, 0), a1, 1e-9);
 }
 
-/// Runs `call` and expects a shape_error whose message contains every one of `parts`.
-template <class F>
-void expect_shape_error(F call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected qkv::shape_error";
-  } catch (const qkv::shape_error& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
-  }
-}
+using qkv_test::expect_shape_error;
 
 TEST(ScoringErrors, ShapesAndMasks) {
   const Matrix<double> S = random_matrix<double>(3, 4, 81), H = random_matrix<double>(5, 6, 82);

@@ -5,31 +5,23 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
 #include <limits>
-#include <random>
-#include <string>
 #include <vector>
 
 #include "qkv/sdpa.hpp"
+#include "support/expect_shape_error.hpp"
+#include "support/problem.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
 using qkv::Index;
 using qkv::Matrix;
-
-template <class T>
-Matrix<T> random_matrix(Index rows, Index cols, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal;
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(normal(rng));
-  return m;
-}
+using qkv_test::random_matrix;
 
 /// float64 attention of one head with plain loops (no mask): out_i = Σ_j softmax_j(q_i·k_j·scale) v_j.
-Matrix<double> brute_force_head(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v, double scale) {
+Matrix<double> brute_force_head(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
+                                double scale) {
   Matrix<double> out = Matrix<double>::Zero(q.rows(), v.cols());
   for (Index i = 0; i < q.rows(); ++i) {
     std::vector<double> s(static_cast<std::size_t>(k.rows()));
@@ -49,12 +41,11 @@ Matrix<double> brute_force_head(const Matrix<double>& q, const Matrix<double>& k
 
 template <class T>
 struct Sdpa : ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Sdpa, Scalars, );
+TYPED_TEST_SUITE(Sdpa, qkv_test::Scalars, );
 
 template <class T>
 double tolerance(const Matrix<double>& v) {
-  // DESIGN.md, Accuracy: the reference path in float is within 1e-6·max(1, max|V|) of float64.
+  // docs/design.md, Accuracy: the reference path in float is within 1e-6·max(1, max|V|) of float64.
   return (std::is_same_v<T, float> ? 1e-6 : 1e-12) * std::max(1.0, v.cwiseAbs().maxCoeff());
 }
 
@@ -141,35 +132,46 @@ TYPED_TEST(Sdpa, MasksFromEigenMatrices) {
   EXPECT_EQ(padded.rightCols(2), Matrix<T>::Zero(3, 2));
 }
 
-void expect_shape_error_containing(const std::function<void()>& call, const std::string& part) {
-  try {
-    call();
-    ADD_FAILURE() << "expected qkv::shape_error containing '" << part << "'";
-  } catch (const qkv::shape_error& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
-}
+using qkv_test::expect_shape_error;
 
 TEST(SdpaErrors, EveryHeadsAndShapeError) {
   const Matrix<float> Q = Matrix<float>::Ones(2, 8), K = Matrix<float>::Ones(3, 4), V = Matrix<float>::Ones(3, 6);
-  expect_shape_error_containing([&] { qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{0, 0}); },
-                                "Heads::n_heads is 0");
-  expect_shape_error_containing([&] { qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, -1}); },
-                                "Heads::n_kv_heads is -1");
-  expect_shape_error_containing([&] { qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 3}); },
-                                "n_heads 4 is not a multiple of Heads::n_kv_heads 3");
-  expect_shape_error_containing([&] { qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{3, 1}); },
-                                "Q has 8 columns, not a multiple of n_heads 3");
-  expect_shape_error_containing([&] { qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 1}); },
-                                "K has 4 columns, expected 2");
-  expect_shape_error_containing(
-      [&] { qkv::scaled_dot_product_attention(Q, K, Matrix<float>::Ones(4, 6).eval(), qkv::Heads{4, 2}); },
-      "V has 4 rows, expected 3");
-  expect_shape_error_containing(
-      [&] { qkv::scaled_dot_product_attention(Q, K, Matrix<float>::Ones(3, 5).eval(), qkv::Heads{4, 2}); },
-      "V has 5 columns, not a multiple of n_kv_heads 2");
-  expect_shape_error_containing([&] { qkv::attention_weights(Q, K, qkv::Heads{4, 2}, 4); },
-                                "head is 4, expected an index in [0, 4)");
+  expect_shape_error([&] { qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{0, 0}); }, {"Heads::n_heads is 0"});
+  expect_shape_error(
+      [&] {
+        qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, -1});
+      },
+      {"Heads::n_kv_heads is -1"});
+  expect_shape_error(
+      [&] {
+        qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 3});
+      },
+      {"n_heads 4 is not a multiple of Heads::n_kv_heads 3"});
+  expect_shape_error(
+      [&] {
+        qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{3, 1});
+      },
+      {"Q has 8 columns, not a multiple of n_heads 3"});
+  expect_shape_error(
+      [&] {
+        qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 1});
+      },
+      {"K has 4 columns, expected 2"});
+  expect_shape_error(
+      [&] {
+        qkv::scaled_dot_product_attention(Q, K, Matrix<float>::Ones(4, 6).eval(), qkv::Heads{4, 2});
+      },
+      {"V has 4 rows, expected 3"});
+  expect_shape_error(
+      [&] {
+        qkv::scaled_dot_product_attention(Q, K, Matrix<float>::Ones(3, 5).eval(), qkv::Heads{4, 2});
+      },
+      {"V has 5 columns, not a multiple of n_kv_heads 2"});
+  expect_shape_error(
+      [&] {
+        qkv::attention_weights(Q, K, qkv::Heads{4, 2}, 4);
+      },
+      {"head is 4, expected an index in [0, 4)"});
   EXPECT_NO_THROW(qkv::scaled_dot_product_attention(Q.leftCols(4), K, V.leftCols(4)));  // valid shapes
 }
 

@@ -35,7 +35,7 @@ using MatrixD = qkv::Matrix<double>;
 //   weights:     |P − P_exact|. Weights lie in [0, 1]; float's unit roundoff is 6e-8, so 1e-6 leaves ~16 ulps for
 //                a float path (the reference path accumulates in double and should be within 1 ulp); double's
 //                1e-12 leaves ~4500 ulps.
-//   output:      |O − O_exact| ≤ output · max(1, max|V|): DESIGN.md's accuracy contract for the reference path
+//   output:      |O − O_exact| ≤ output · max(1, max|V|): docs/design.md's accuracy contract for the reference path
 //                in float (1e-6·max(1, max|V|)); 1e-12 in double.
 //   equivariance: permuted and unpermuted runs see inputs that may differ by a rounding of the projection X·W
 //                (Eigen may order a row's sum differently for different row positions); 1e-5 · max(1, max|V|)

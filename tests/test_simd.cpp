@@ -12,56 +12,41 @@
 #include <vector>
 
 #include "qkv/simd/simd.hpp"
+#include "support/type_lists.hpp"
 
 namespace {
 
-using Tags = ::testing::Types<qkv::simd::ScalarTag
-#if defined(__AVX2__) && defined(__FMA__)
-                              ,
-                              qkv::simd::Avx2Tag
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-                              ,
-                              qkv::simd::Avx512Tag
-#endif
-                              >;
-
 template <class Tag>
 struct Simd : ::testing::Test {};
-TYPED_TEST_SUITE(Simd, Tags, );
+TYPED_TEST_SUITE(Simd, qkv_test::SimdTags, );
 
-/// Applies `exp` of the tag to `x` lane by lane, a full vector at a time.
-template <class Tag>
-std::vector<float> vector_exp(const std::vector<float>& x) {
+/// Applies `op` (a vector of the tag → a vector) to `x`, a full vector at a time; the tail one element at a time in
+/// lane 0.
+template <class Tag, class Op>
+std::vector<float> apply_lanes(const std::vector<float>& x, Op op) {
   constexpr int L = Tag::kLanes;
   std::vector<float> y(x.size());
   std::size_t n = 0;
-  for (; n + L <= x.size(); n += L)
-    qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp(Tag(), qkv::simd::load(Tag(), x.data() + n)));
+  for (; n + L <= x.size(); n += L) qkv::simd::store(Tag(), y.data() + n, op(qkv::simd::load(Tag(), x.data() + n)));
   for (; n < x.size(); ++n) {
     float lane[L] = {};
     lane[0] = x[n];
-    qkv::simd::store(Tag(), lane, qkv::simd::exp(Tag(), qkv::simd::load(Tag(), lane)));
+    qkv::simd::store(Tag(), lane, op(qkv::simd::load(Tag(), lane)));
     y[n] = lane[0];
   }
   return y;
 }
 
-/// Applies `exp2` of the tag to `x` lane by lane, a full vector at a time.
+/// `exp` of the tag on every element of `x`.
+template <class Tag>
+std::vector<float> vector_exp(const std::vector<float>& x) {
+  return apply_lanes<Tag>(x, [](auto v) { return qkv::simd::exp(Tag(), v); });
+}
+
+/// `exp2` of the tag on every element of `x`.
 template <class Tag>
 std::vector<float> vector_exp2(const std::vector<float>& x) {
-  constexpr int L = Tag::kLanes;
-  std::vector<float> y(x.size());
-  std::size_t n = 0;
-  for (; n + L <= x.size(); n += L)
-    qkv::simd::store(Tag(), y.data() + n, qkv::simd::exp2(Tag(), qkv::simd::load(Tag(), x.data() + n)));
-  for (; n < x.size(); ++n) {
-    float lane[L] = {};
-    lane[0] = x[n];
-    qkv::simd::store(Tag(), lane, qkv::simd::exp2(Tag(), qkv::simd::load(Tag(), lane)));
-    y[n] = lane[0];
-  }
-  return y;
+  return apply_lanes<Tag>(x, [](auto v) { return qkv::simd::exp2(Tag(), v); });
 }
 
 /// Distance in units in the last place between a float result and the exact value.
@@ -71,20 +56,25 @@ double ulp_error(float got, double exact) {
   return std::fabs(double(got) - exact) / ulp;
 }
 
+/// Expects y[n] within 2 ulp of exact(x[n]) for every n; records the largest error as the test's max_ulp property.
+template <class Exact>
+void expect_within_two_ulp(const std::vector<float>& x, const std::vector<float>& y, Exact exact) {
+  double worst = 0;
+  float worst_x = 0;
+  for (std::size_t n = 0; n < x.size(); ++n) {
+    const double e = ulp_error(y[n], exact(double(x[n])));
+    if (e > worst) worst = e, worst_x = x[n];
+  }
+  EXPECT_LE(worst, 2.0) << "worst at x = " << worst_x;
+  ::testing::Test::RecordProperty("max_ulp", std::to_string(worst));
+}
+
 TYPED_TEST(Simd, ExpWithinTwoUlpOnTheSoftmaxRange) {
   // Dense sweep of [−87.3, 0]: every 2^-12 below −8, every float step of 2^-20 near 0 (about 400 000 points).
   std::vector<float> x;
   for (double v = -87.3; v < -8.0; v += 1.0 / 4096) x.push_back(static_cast<float>(v));
   for (double v = -8.0; v <= 0.0; v += 1.0 / 1048576 * 16) x.push_back(static_cast<float>(v));
-  const auto y = vector_exp<TypeParam>(x);
-  double worst = 0;
-  float worst_x = 0;
-  for (std::size_t n = 0; n < x.size(); ++n) {
-    const double e = ulp_error(y[n], std::exp(double(x[n])));
-    if (e > worst) worst = e, worst_x = x[n];
-  }
-  EXPECT_LE(worst, 2.0) << "worst at x = " << worst_x;
-  this->RecordProperty("max_ulp", std::to_string(worst));
+  expect_within_two_ulp(x, vector_exp<TypeParam>(x), [](double v) { return std::exp(v); });
 }
 
 TYPED_TEST(Simd, ExpEdgeValues) {
@@ -115,15 +105,7 @@ TYPED_TEST(Simd, Exp2WithinTwoUlpOnTheSoftmaxRange) {
   for (double v = -126.0; v < -8.0; v += 1.0 / 4096) x.push_back(static_cast<float>(v));
   for (double v = -8.0; v <= 0.0; v += 1.0 / 65536) x.push_back(static_cast<float>(v));
   for (double v = 0.0; v <= 127.0; v += 1.0 / 1024) x.push_back(static_cast<float>(v));
-  const auto y = vector_exp2<TypeParam>(x);
-  double worst = 0;
-  float worst_x = 0;
-  for (std::size_t n = 0; n < x.size(); ++n) {
-    const double e = ulp_error(y[n], std::exp2(double(x[n])));
-    if (e > worst) worst = e, worst_x = x[n];
-  }
-  EXPECT_LE(worst, 2.0) << "worst at x = " << worst_x;
-  this->RecordProperty("max_ulp", std::to_string(worst));
+  expect_within_two_ulp(x, vector_exp2<TypeParam>(x), [](double v) { return std::exp2(v); });
 }
 
 TYPED_TEST(Simd, Exp2EdgeValues) {

@@ -28,6 +28,7 @@
 #include "qkv/attention.hpp"
 #include "qkv/detail/threads.hpp"
 #include "qkv/multi_head.hpp"
+#include "support/problem.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -63,15 +64,15 @@ std::vector<T> random_vector(std::mt19937& rng, Index n) {
   return v;
 }
 
-/// Inputs of one qkv::attention call over BHSD buffers, with its own mask storage.
+/// Inputs of one qkv::attention call over BHSD buffers (q, k, v drawn from std::mt19937(seed)), with its own mask
+/// storage.
 template <class T>
-struct AttentionInputs {
-  Index B = 1, Hq = 1, Hkv = 1, Sq = 1, Skv = 1, D = 1, Dv = 1;
+struct AttentionInputs : qkv_test::Shape {
   std::vector<T> q, k, v, bias;
   std::unique_ptr<bool[]> allowed;
   qkv::AttentionOptions<T> options;
 
-  void fill(unsigned seed) {
+  AttentionInputs(const qkv_test::Shape& shape, unsigned seed) : qkv_test::Shape(shape) {
     std::mt19937 rng(seed);
     q = random_vector<T>(rng, B * Hq * Sq * D);
     k = random_vector<T>(rng, B * Hkv * Skv * D);
@@ -101,14 +102,7 @@ Call attention_call(std::string name, std::shared_ptr<const AttentionInputs<T>> 
 /// Fused, GQA 8/2, B = 2: causal with a window, softcap, ALiBi, an `allowed` key mask per batch entry and a bias
 /// with −∞ entries. About 2·2·(2·4·128)·256·128 ≈ 1.3e8 multiply-adds: well above the fused team threshold.
 Call fused_masked_gqa() {
-  auto c = std::make_shared<AttentionInputs<float>>();
-  c->B = 2;
-  c->Hq = 8;
-  c->Hkv = 2;
-  c->Sq = 128;
-  c->Skv = 256;
-  c->D = c->Dv = 64;
-  c->fill(11);
+  auto c = std::make_shared<AttentionInputs<float>>(qkv_test::Shape{2, 8, 2, 128, 256, 64, 64}, 11);
   c->allowed.reset(new bool[static_cast<std::size_t>(c->B * c->Skv)]);
   for (Index n = 0; n < c->B * c->Skv; ++n) c->allowed[static_cast<std::size_t>(n)] = n % 7 != 3;
   c->bias.assign(static_cast<std::size_t>(c->Sq * c->Skv), 0.25f);
@@ -126,13 +120,7 @@ Call fused_masked_gqa() {
 
 /// Fused varlen batch of three sequences (one empty on the query side), multi-head, Dv ≠ D, causal, sinks.
 Call fused_varlen() {
-  auto c = std::make_shared<AttentionInputs<float>>();
-  c->Hq = c->Hkv = 4;
-  c->Sq = 230;
-  c->Skv = 300;
-  c->D = 32;
-  c->Dv = 48;
-  c->fill(12);
+  auto c = std::make_shared<AttentionInputs<float>>(qkv_test::Shape{1, 4, 4, 230, 300, 32, 48}, 12);
   c->options.cu_seqlens_q = {0, 100, 100, 230};
   c->options.cu_seqlens_k = {0, 150, 170, 300};
   c->options.causal = true;
@@ -143,14 +131,7 @@ Call fused_varlen() {
 
 /// Fused decoding: Sq = 1, GQA 8/2, 5000 keys split into chunks (split-K merged in chunk order), key padding.
 Call fused_decode_split_keys() {
-  auto c = std::make_shared<AttentionInputs<float>>();
-  c->B = 2;
-  c->Hq = 8;
-  c->Hkv = 2;
-  c->Sq = 1;
-  c->Skv = 5000;
-  c->D = c->Dv = 64;
-  c->fill(13);
+  auto c = std::make_shared<AttentionInputs<float>>(qkv_test::Shape{2, 8, 2, 1, 5000, 64, 64}, 13);
   c->options.key_lengths = {5000, 4321};
   c->options.backend = qkv::Backend::fused;
   return attention_call<float>("fused, decode split-K", c);
@@ -160,13 +141,7 @@ Call fused_decode_split_keys() {
 /// q.size()·Skv = 4·64·32·128 ≈ 1e6, above the reference team threshold.
 template <class T>
 Call reference_gqa(qkv::Backend backend, const char* name) {
-  auto c = std::make_shared<AttentionInputs<T>>();
-  c->Hq = 4;
-  c->Hkv = 2;
-  c->Sq = 64;
-  c->Skv = 128;
-  c->D = c->Dv = 32;
-  c->fill(14);
+  auto c = std::make_shared<AttentionInputs<T>>(qkv_test::Shape{1, 4, 2, 64, 128, 32, 32}, 14);
   c->bias.assign(static_cast<std::size_t>(c->Hq * c->Sq * c->Skv), T(0.125));
   for (std::size_t n = 0; n < c->bias.size(); n += 11) c->bias[n] = -std::numeric_limits<T>::infinity();
   c->options.causal = true;

@@ -2,22 +2,49 @@
 //
 // Built by scripts/ab_fused.sh, which exports revision A's include/ as is and revision B's include/ as B/qkv/..., then
 // compiles this file with `#define qkv qkv_b` around B's headers, so the two kernels live in the namespaces qkv and
-// qkv_b. Calls alternate A, B (B, A on odd rounds) on the same inputs, each round after a register-only FMA loop, so
-// both versions see the same machine: on a shared machine whose speed drifts by ±20 % over minutes, the ratio of two
-// interleaved versions is repeatable where two separate benchmark runs are not.
+// qkv_b. Of the kernel's API only public names that exist at d44d50d are used (attention, view_bhsd, view_bshd,
+// TensorView, AttentionOptions, isa_name), so a revision from then on can be either side (bench/fma_loop.hpp, the
+// speed modes' peak, also reads A's qkv::simd). Modes:
 //
-// Prints, per version, the best and the median GFLOPS (4·D per visible (query, key) pair per head, as bench_attention
-// counts) and their ratio to the best FMA loop of the run; how many rounds B was faster; how many outputs differ in
-// their bits (0 when B is meant to change only speed; a NaN on one side counts) and the largest finite difference.
+//   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread. Calls alternate A, B (B, A on odd
+//                                  rounds) on the same inputs, each round after a register-only FMA loop, so both
+//                                  versions see the same machine: on a shared machine whose speed drifts by ±20 % over
+//                                  minutes, the ratio of two interleaved versions is repeatable where two separate
+//                                  benchmark runs are not. Prints, per version, the best and the median GFLOPS (4·D
+//                                  per visible (query, key) pair per head, as bench_attention counts) and their ratio
+//                                  to the best FMA loop of the run; how many rounds B was faster; how many outputs
+//                                  differ in their bits (a NaN on one side counts) and the largest finite difference.
+//   ab_fused --bits [--perturb] [NAME...]
+//                                  bit check: every case of kShapes × kPresets (or those whose name contains one of
+//                                  NAME) through both versions, with lse at 1 and 2 OpenMP threads and once without
+//                                  lse. One line per case with the bits in which B's out and lse differ from A's, and
+//                                  those in which a 2-thread or lse-less call differs from the same version's 1-thread
+//                                  call (0 as well, by the library's promise); exits 1 if any differ. --perturb flips
+//                                  the lowest bit of B's out[0] and lse[0] in every case: a self-test that the check
+//                                  sees one ulp (every line must then read 1 and 1, and the run exit 1).
+//   ab_fused --time NAME [rounds]  speed of one case (default 10 rounds, one thread), interleaved as above: best and
+//                                  median milliseconds per version, B / A, rounds B won.
+//   ab_fused --list                the case names.
 #include <algorithm>
+#include <array>
+#include <bitset>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "../fma_loop.hpp"  // A's qkv::simd, before A's macros are undefined
 #include "qkv/qkv.hpp"
@@ -27,6 +54,10 @@
 #undef qkv
 
 namespace {
+
+using Index = qkv::Index;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -41,26 +72,78 @@ double fma_loop_gflops() {
   return 2.0 * qkv_bench::kFmaChains * qkv::simd::BestTag::kLanes * double(kIterations) / (t1 - t0) * 1e-9;
 }
 
-}  // namespace
+// One round of A and B measured by `measure`: A first on even rounds, B first on odd ones, so that neither version
+// always runs second.
+template <class Measure, class RunA, class RunB>
+void interleaved_round(int r, const Measure& measure, const RunA& run_a, const RunB& run_b, std::vector<double>& a,
+                       std::vector<double>& b) {
+  if (r % 2 == 0) {
+    a.push_back(measure(run_a));
+    b.push_back(measure(run_b));
+  } else {
+    b.push_back(measure(run_b));
+    a.push_back(measure(run_a));
+  }
+}
 
-int main(int argc, char** argv) {
-  if (argc < 5) {
-    std::fprintf(stderr, "usage: %s D T rounds causal   (B = 1, H = 8, Sq = Skv = T, float)\n", argv[0]);
-    return 2;
+// Sets the calling thread's OpenMP team size for the next qkv call (the kernel uses omp_get_max_threads()).
+void set_threads(int n) {
+#if defined(_OPENMP)
+  omp_set_num_threads(n);
+#else
+  (void)n;
+#endif
+}
+
+// Outputs whose bits differ (a NaN on one side counts; max would skip it), the bits in which they differ, and the
+// largest finite difference. Two NaNs count as equal, and apart, in nan_payload: IEEE 754 leaves the sign and payload
+// of a NaN result to the implementation (x86 keeps the first operand's, so they follow the compiler's operand order),
+// and qkv promises NaN, not which NaN.
+struct BitDiff {
+  std::size_t values = 0;
+  std::size_t bits = 0;
+  std::size_t nan_payload = 0;
+  double max_finite = 0;
+  BitDiff& operator+=(const BitDiff& other) {
+    values += other.values;
+    bits += other.bits;
+    nan_payload += other.nan_payload;
+    max_finite = std::max(max_finite, other.max_finite);
+    return *this;
   }
-  const long D = std::atol(argv[1]), T = std::atol(argv[2]), H = 8;
-  const int rounds = std::atoi(argv[3]);
-  const bool causal = std::atoi(argv[4]) != 0;
-  if (D < 1 || T < 1 || rounds < 1) {
-    std::fprintf(stderr, "D, T and rounds must be at least 1\n");
-    return 2;
+};
+
+BitDiff compare_bits(const std::vector<float>& x, const std::vector<float>& y) {
+  BitDiff diff;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    std::uint32_t a, b;
+    std::memcpy(&a, &x[i], sizeof a);
+    std::memcpy(&b, &y[i], sizeof b);
+    if (a == b) continue;
+    if (std::isnan(x[i]) && std::isnan(y[i])) {
+      ++diff.nan_payload;
+      continue;
+    }
+    ++diff.values;
+    diff.bits += std::bitset<32>(a ^ b).count();
+    const double d = std::fabs(double(x[i]) - double(y[i]));
+    if (std::isfinite(d)) diff.max_finite = std::max(diff.max_finite, d);
   }
+  return diff;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Speed mode: B = 1, H = 8, Sq = Skv = T, no options but `causal`, one thread (as before the bit check existed).
+
+int speed_mode(long D, long T, int rounds, bool causal) {
+  const long H = 8;
   std::vector<float> q(H * T * D), k(H * T * D), v(H * T * D), out_a(H * T * D), out_b(H * T * D);
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
   for (auto* x : {&q, &k, &v})
     for (auto& e : *x) e = normal(rng);
 
+  set_threads(1);
   qkv::AttentionOptions<float> options_a;
   options_a.backend = qkv::Backend::fused;
   options_a.causal = causal;
@@ -88,25 +171,11 @@ int main(int argc, char** argv) {
   std::vector<double> peak, a, b;
   for (int r = 0; r < rounds; ++r) {
     peak.push_back(fma_loop_gflops());
-    if (r % 2 == 0) {
-      a.push_back(gflops(run_a));
-      b.push_back(gflops(run_b));
-    } else {
-      b.push_back(gflops(run_b));
-      a.push_back(gflops(run_a));
-    }
+    interleaved_round(r, gflops, run_a, run_b, a, b);
   }
   int b_faster = 0;
   for (int r = 0; r < rounds; ++r) b_faster += b[static_cast<std::size_t>(r)] > a[static_cast<std::size_t>(r)];
-  // Outputs whose bits differ (a NaN on one side counts; max would skip it), and the largest finite difference.
-  std::size_t differing = 0;
-  double max_diff = 0;
-  for (std::size_t i = 0; i < out_a.size(); ++i) {
-    if (std::memcmp(&out_a[i], &out_b[i], sizeof(float)) == 0) continue;
-    ++differing;
-    const double diff = std::fabs(double(out_a[i]) - double(out_b[i]));
-    if (std::isfinite(diff)) max_diff = std::max(max_diff, diff);
-  }
+  const BitDiff diff = compare_bits(out_a, out_b);
 
   const double best_peak = *std::max_element(peak.begin(), peak.end());
   const auto report = [&](const char* name, std::vector<double> x) {
@@ -119,6 +188,584 @@ int main(int argc, char** argv) {
   report("A", a);
   report("B", b);
   std::printf("B faster in %d of %d rounds; outputs whose bits differ: %zu of %zu; max finite |out_A - out_B| = %g\n",
-              b_faster, rounds, differing, out_a.size(), max_diff);
+              b_faster, rounds, diff.values, out_a.size(), diff.max_finite);
   return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Cases: a shape × an option preset. Each shape is chosen for a path of the kernel (tile boundaries, GQA, split-K,
+// the decoding path, odd D and Dv, both layouts); each preset for an option or a numerical edge of it.
+
+enum class Layout { bhsd, bshd };
+
+struct Shape {
+  const char* name;
+  Index B, Hq, Hkv, Sq, Skv, D, Dv;
+  Layout layout;
+};
+
+// Split-K starts above 2048 keys with a single query tile; decoding (K and V read in place) at Sq·G ≤ 16, and with
+// more than 4 rows (M = Sq·G) it takes turns over sub-blocks of 64 keys in row groups of 4 and a remainder.
+constexpr Shape kShapes[] = {
+    {"prefill300", 2, 4, 2, 300, 300, 64, 64, Layout::bhsd},      // several query and key tiles, GQA 2, B = 2
+    {"prefill200x520", 1, 4, 1, 200, 520, 64, 64, Layout::bshd},  // Sq < Skv, MQA
+    {"prefill260x100", 1, 2, 2, 260, 100, 32, 48, Layout::bhsd},  // Sq > Skv (bottom-right causal: empty rows)
+    {"odd33x77", 2, 6, 2, 33, 77, 80, 72, Layout::bshd},          // odd sizes, D ≠ Dv, GQA 3
+    {"decode4096", 2, 32, 8, 1, 4096, 128, 128, Layout::bshd},    // decoding, GQA 32/8, split-K in 2 chunks
+    {"decode5000", 1, 32, 8, 1, 5000, 128, 128, Layout::bhsd},    // decoding, split-K with a short last chunk
+    {"short3x5000", 1, 16, 2, 3, 5000, 128, 128, Layout::bshd},   // prefill path (Sq·G = 24 rows), split-K
+    {"short3x5000_mha", 1, 4, 4, 3, 5000, 64, 64, Layout::bhsd},  // decoding path (Sq·G = 3), split-K
+    // Decoding with M > 4 rows: M = 16 (4 row groups of 4; G = 8, Sq = 2), split-K with a last chunk of 953 keys
+    // (14 sub-blocks and 57 keys: an odd last key); key_lengths gives it an unsplit sequence of 2001 keys.
+    {"decode_m16", 2, 16, 2, 2, 3001, 128, 128, Layout::bshd},
+    // M = 6 (row groups 4 + 2; G = 6), split-K in 3 chunks (the last 405 keys), D and Dv with tails on every ISA
+    // (81 = 5·16 + 1, 75 = 9·8 + 3 = 4·16 + 11; 80 and 72 would leave none on AVX2).
+    {"decode_m6_odd", 1, 12, 2, 1, 4501, 81, 75, Layout::bhsd},
+};
+
+enum class Preset {
+  none,
+  causal_bottom_right,
+  causal_top_left,
+  window_global,
+  window_causal,
+  bias,
+  bias_huge,
+  allowed,
+  alibi,
+  softcap,
+  sinks,
+  varlen,
+  key_lengths,
+  post_scale,
+  post_scale_q,
+  base_e,
+  nan_visible,
+  nan_visible_sinks,
+  bias_huge_late,
+};
+
+struct PresetName {
+  Preset preset;
+  const char* name;
+};
+
+constexpr PresetName kPresets[] = {
+    {Preset::none, "none"},
+    {Preset::causal_bottom_right, "causal_bottom_right"},
+    {Preset::causal_top_left, "causal_top_left"},
+    {Preset::window_global, "window_global"},
+    {Preset::window_causal, "window_causal"},
+    {Preset::bias, "bias"},
+    {Preset::bias_huge, "bias_huge"},
+    {Preset::allowed, "allowed"},
+    {Preset::alibi, "alibi"},
+    {Preset::softcap, "softcap"},
+    {Preset::sinks, "sinks"},
+    {Preset::varlen, "varlen"},
+    {Preset::key_lengths, "key_lengths"},
+    {Preset::post_scale, "post_scale"},
+    {Preset::post_scale_q, "post_scale_q"},
+    {Preset::base_e, "base_e"},
+    {Preset::nan_visible, "nan_visible"},
+    {Preset::nan_visible_sinks, "nan_visible_sinks"},
+    {Preset::bias_huge_late, "bias_huge_late"},
+};
+
+std::string case_name(const Shape& shape, const PresetName& preset) {
+  return std::string(shape.name) + "/" + preset.name;
+}
+
+// One problem: inputs and options in neither namespace; make_options<Side> turns them into A's or B's options.
+struct Problem : Shape {  // the shape's B is 1 for varlen
+  std::vector<float> q, k, v;
+
+  std::optional<float> scale;
+  float softcap = 0;
+  bool causal = false, top_left = false;
+  Index window_left = -1, window_right = -1, global_tokens = 0;
+  std::vector<Index> key_lengths, cu_seqlens_q, cu_seqlens_k;
+  std::unique_ptr<bool[]> allowed;  // [B or 1, Hq or 1, Sq or 1, Skv], contiguous
+  std::array<Index, 4> allowed_extents{};
+  std::vector<float> bias;  // as `allowed`
+  std::array<Index, 4> bias_extents{};
+  std::vector<float> alibi_slopes, sinks;
+
+  // Offset of element (b, h, s, d) of a [B, H, S, width] tensor in this problem's layout.
+  Index offset(Index b, Index h, Index s, Index d, Index H, Index S, Index width) const {
+    return layout == Layout::bhsd ? ((b * H + h) * S + s) * width + d : ((b * S + s) * H + h) * width + d;
+  }
+  float& q_at(Index b, Index h, Index i, Index d) { return q[static_cast<std::size_t>(offset(b, h, i, d, Hq, Sq, D))]; }
+  float& k_at(Index b, Index h, Index j, Index d) {
+    return k[static_cast<std::size_t>(offset(b, h, j, d, Hkv, Skv, D))];
+  }
+  float& v_at(Index b, Index h, Index j, Index d) {
+    return v[static_cast<std::size_t>(offset(b, h, j, d, Hkv, Skv, Dv))];
+  }
+  // NaN in K and ∞ in V at key j of every kv head of batch entry b: a slot the options hide from every query, so
+  // neither may reach the output (the kernel's exactness rule; it must hold on both sides alike).
+  void poison_key(Index b, Index j) {
+    for (Index h = 0; h < Hkv; ++h) {
+      k_at(b, h, j, 0) = kNaN;
+      v_at(b, h, j, Dv > 1 ? 1 : 0) = kInf;
+    }
+  }
+  std::size_t out_size() const { return static_cast<std::size_t>(B * Hq * Sq * Dv); }
+  std::size_t lse_size() const { return static_cast<std::size_t>(B * Hq * Sq); }
+};
+
+// Base inputs of a shape (normal q, k, v from a seed fixed per shape), generated once and copied into each preset.
+struct BaseData {
+  std::vector<float> q, k, v;
+};
+
+BaseData make_base(const Shape& shape, unsigned seed) {
+  BaseData data;
+  data.q.resize(static_cast<std::size_t>(shape.B * shape.Hq * shape.Sq * shape.D));
+  data.k.resize(static_cast<std::size_t>(shape.B * shape.Hkv * shape.Skv * shape.D));
+  data.v.resize(static_cast<std::size_t>(shape.B * shape.Hkv * shape.Skv * shape.Dv));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  for (auto* x : {&data.q, &data.k, &data.v})
+    for (auto& e : *x) e = normal(rng);
+  return data;
+}
+
+// Splits `total` rows into 5 varlen sequences by a fixed pattern; `keys` picks the key pattern. Sequences (q rows,
+// keys): one with half the keys and one more (split-K from 4096 keys on: 2049 keys make a last chunk of one key), one
+// with keys but no query, two ordinary ones, and one with queries but no key (zero rows, lse −∞).
+std::vector<Index> split_varlen(Index total, bool keys) {
+  std::vector<Index> parts;
+  if (keys) {
+    const Index first = std::min<Index>(total, total / 2 + 1), second = std::min<Index>(3, total - first),
+                third = (total - first - second) / 2;
+    parts = {first, second, third, total - first - second - third, 0};
+  } else {
+    const Index first = (total + 3) / 4, third = (total - first) / 3, last = total - first - third >= 4 ? 2 : 0;
+    parts = {first, 0, third, total - first - third - last, last};
+  }
+  std::vector<Index> cu{0};
+  for (Index p : parts) cu.push_back(cu.back() + p);
+  return cu;
+}
+
+// Sink logits per query head: a −∞ sink (no sink) at head 0, a large one at every third head from 1, small ones.
+std::vector<float> sink_logits(Index Hq) {
+  std::vector<float> sinks;
+  for (Index h = 0; h < Hq; ++h) sinks.push_back(h == 0 ? -kInf : h % 3 == 1 ? 2.5f : -1.0f + 0.1f * float(h));
+  return sinks;
+}
+
+// Fixed seeds: shape s's base data, and the random parts (bias, allowed) of its preset n.
+unsigned shape_seed(std::size_t s) { return 1000u + static_cast<unsigned>(s); }
+unsigned case_seed(std::size_t s, std::size_t n) {
+  return 7u * static_cast<unsigned>(s) + 31u * static_cast<unsigned>(n);
+}
+
+Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, unsigned seed) {
+  Problem p;
+  static_cast<Shape&>(p) = shape;
+  if (preset == Preset::varlen) p.B = 1;  // varlen views have batch extent 1
+  // The first p.B batch entries of the base data (both layouts keep batch entry 0 at the start).
+  const auto take = [&](const std::vector<float>& from, std::vector<float>& to) {
+    to.assign(from.begin(), from.begin() + static_cast<std::ptrdiff_t>(from.size() / shape.B * p.B));
+  };
+  take(base.q, p.q);
+  take(base.k, p.k);
+  take(base.v, p.v);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> uniform;
+
+  switch (preset) {
+    case Preset::none:
+      break;
+    case Preset::causal_bottom_right:
+      p.causal = true;
+      break;
+    case Preset::causal_top_left:
+      p.causal = true;
+      p.top_left = true;
+      // diag(i) = i: the last key is hidden from every query when Sq < Skv.
+      if (p.Sq < p.Skv)
+        for (Index b = 0; b < p.B; ++b) p.poison_key(b, p.Skv - 1);
+      break;
+    case Preset::window_global:  // a window around the bottom-right diagonal, both sides, without causal
+      p.window_left = 31;
+      p.window_right = 9;
+      p.global_tokens = 4;
+      break;
+    case Preset::window_causal:  // the decoding case: the last 64 keys and 2 global ones
+      p.causal = true;
+      p.window_left = 63;
+      p.global_tokens = 2;
+      break;
+    case Preset::bias: {  // [B, 1, Sq, Skv] (broadcast over heads), some −∞, an empty row, a key hidden everywhere
+      p.bias_extents = {p.B, 1, p.Sq, p.Skv};
+      p.bias.resize(static_cast<std::size_t>(p.B * p.Sq * p.Skv));
+      for (auto& x : p.bias) x = uniform(rng) < 0.05f ? -kInf : 0.5f * normal(rng);
+      const Index hidden = p.Skv / 3 + 1;
+      for (Index b = 0; b < p.B; ++b) {
+        for (Index i = 0; i < p.Sq; ++i) p.bias[static_cast<std::size_t>((b * p.Sq + i) * p.Skv + hidden)] = -kInf;
+        p.poison_key(b, hidden);
+      }
+      if (p.Sq > 1) std::fill(p.bias.begin() + p.Skv, p.bias.begin() + 2 * p.Skv, -kInf);  // row 1 of b = 0
+      break;
+    }
+    case Preset::bias_huge:  // [1, Hq, 1, Skv]; head 1 adds 2.5e38 at key 7: above FLT_MAX / log2 e, so base e
+      p.bias_extents = {1, p.Hq, 1, p.Skv};
+      p.bias.resize(static_cast<std::size_t>(p.Hq * p.Skv));
+      for (auto& x : p.bias) x = 0.5f * normal(rng);
+      if (p.Hq > 1 && p.Skv > 7) p.bias[static_cast<std::size_t>(p.Skv + 7)] = 2.5e38f;
+      break;
+    case Preset::allowed: {  // [1, Hq, Sq, Skv] (broadcast over batch), ~10 % false, an empty row, a hidden key
+      p.allowed_extents = {1, p.Hq, p.Sq, p.Skv};
+      const std::size_t n = static_cast<std::size_t>(p.Hq * p.Sq * p.Skv);
+      p.allowed.reset(new bool[n]);
+      for (std::size_t e = 0; e < n; ++e) p.allowed[e] = uniform(rng) >= 0.1f;
+      const Index hidden = p.Skv / 3;
+      for (Index e = 0; e < p.Hq * p.Sq; ++e) p.allowed[static_cast<std::size_t>(e * p.Skv + hidden)] = false;
+      for (Index b = 0; b < p.B; ++b) p.poison_key(b, hidden);
+      if (p.Sq > 1) std::fill(p.allowed.get() + p.Skv, p.allowed.get() + 2 * p.Skv, false);  // head 0, row 1
+      break;
+    }
+    case Preset::alibi:
+      for (Index h = 0; h < p.Hq; ++h) p.alibi_slopes.push_back(std::exp2(-8.0f * float(h + 1) / float(p.Hq)));
+      break;
+    case Preset::softcap:
+      p.softcap = 5.0f;
+      p.scale = 0.3f;
+      break;
+    case Preset::sinks:
+      p.sinks = sink_logits(p.Hq);
+      break;
+    case Preset::varlen:
+      p.causal = true;
+      p.cu_seqlens_q = split_varlen(p.Sq, false);
+      p.cu_seqlens_k = split_varlen(p.Skv, true);
+      break;
+    case Preset::key_lengths:  // lengths 2/3·Skv + 1, 0, Skv, … by batch entry; the padded keys poisoned
+      p.causal = true;
+      for (Index b = 0; b < p.B; ++b) {
+        const Index pattern[] = {2 * p.Skv / 3 + 1, 0, p.Skv};
+        const Index length = pattern[b % 3];
+        p.key_lengths.push_back(length);
+        if (length < p.Skv) {
+          p.poison_key(b, length);
+          p.poison_key(b, p.Skv - 1);
+        }
+      }
+      break;
+    case Preset::post_scale:  // scale·log2 e overflows float: Q is copied unscaled and the scores scaled after Q·Kᵀ
+      p.scale = 3e38f;
+      for (auto& x : p.k) x *= 2e-38f;  // q·k·scale stays of order 10
+      break;
+    case Preset::post_scale_q:  // q·scale overflows for q = 3e38 (component 1 of every 5th row; k's is 0)
+      p.scale = 2.0f;
+      for (Index b = 0; b < p.B; ++b)
+        for (Index h = 0; h < p.Hq; ++h)
+          for (Index i = 0; i < p.Sq; i += 5) p.q_at(b, h, i, 1) = 3e38f;
+      for (Index b = 0; b < p.B; ++b)
+        for (Index h = 0; h < p.Hkv; ++h)
+          for (Index j = 0; j < p.Skv; ++j) p.k_at(b, h, j, 1) = 0.0f;
+      break;
+    case Preset::base_e:  // a huge finite key component that no query reads: the scores are ordinary, but the bound
+                          // of base 2 fails, so every prefill task runs its softmax in base e
+      for (Index b = 0; b < p.B; ++b) {
+        for (Index h = 0; h < p.Hkv; ++h)
+          for (Index j = 0; j < p.Skv; ++j) p.k_at(b, h, j, 0) = 3e38f;
+        for (Index h = 0; h < p.Hq; ++h)
+          for (Index i = 0; i < p.Sq; ++i) p.q_at(b, h, i, 0) = 0.0f;
+      }
+      break;
+    case Preset::nan_visible:  // NaN and ∞ where every query sees them (no mask), so that rows come out NaN
+    case Preset::nan_visible_sinks: {
+      // Kv group (batch entry 0, kv head 0): NaN in q of head 0's last row (all of its scores NaN: the softmax's NaN
+      // flag, in the last query tile); +∞ in q of the group's last head, row 0 (±∞ scores, a +∞ max: a NaN row);
+      // +∞ in V at key Skv/3 (the group's other rows: +∞ outputs, through split-K merge and sinks as ∞).
+      const Index G = p.Hq / p.Hkv;
+      p.q_at(0, 0, p.Sq - 1, p.D / 2) = kNaN;
+      p.q_at(0, G - 1, 0, 0) = kInf;
+      p.v_at(0, 0, p.Skv / 3, p.Dv - 1) = kInf;
+      // The last kv group (another one where there is one): NaN in K at key 3·Skv/4, among finite scores of every
+      // row of the group (in split-K, a NaN chunk merged with finite ones).
+      if (p.B > 1 || p.Hkv > 1) p.k_at(p.B - 1, p.Hkv - 1, 3 * p.Skv / 4, 1) = kNaN;
+      if (preset == Preset::nan_visible_sinks) p.sinks = sink_logits(p.Hq);  // NaN rows through both sink branches
+      break;
+    }
+    case Preset::bias_huge_late: {  // [1, Hq, Sq, Skv]; 2.5e38 at one (row, key) of the last head, late in its task
+      // Query min(100, Sq − 1) (past the first query tile where Sq > 96), key min(600, Skv − 1) (past the first key
+      // tile where Skv > 256): the prefill task aborts base 2 after its softmax state moved, and reruns in base e.
+      p.bias_extents = {1, p.Hq, p.Sq, p.Skv};
+      p.bias.resize(static_cast<std::size_t>(p.Hq * p.Sq * p.Skv));
+      for (auto& x : p.bias) x = 0.5f * normal(rng);
+      const Index i = std::min<Index>(100, p.Sq - 1), j = std::min<Index>(600, p.Skv - 1);
+      p.bias[static_cast<std::size_t>(((p.Hq - 1) * p.Sq + i) * p.Skv + j)] = 2.5e38f;
+      break;
+    }
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The two sides: the same public calls, spelled once per namespace.
+
+template <class Side>
+typename Side::Options make_options(const Problem& p) {
+  typename Side::Options o;
+  using Backend = decltype(o.backend);
+  using Alignment = decltype(o.alignment);
+  o.backend = Backend::fused;
+  o.scale = p.scale;
+  o.softcap = p.softcap;
+  o.causal = p.causal;
+  o.alignment = p.top_left ? Alignment::top_left : Alignment::bottom_right;
+  o.window_left = p.window_left;
+  o.window_right = p.window_right;
+  o.global_tokens = p.global_tokens;
+  o.key_lengths = p.key_lengths;
+  o.cu_seqlens_q = p.cu_seqlens_q;
+  o.cu_seqlens_k = p.cu_seqlens_k;
+  o.alibi_slopes = p.alibi_slopes;
+  o.sinks = p.sinks;
+  if (p.allowed) o.allowed = typename Side::template View4<const bool>(p.allowed.get(), p.allowed_extents);
+  if (!p.bias.empty()) o.bias = typename Side::template View4<const float>(p.bias.data(), p.bias_extents);
+  return o;
+}
+
+// Runs one call of Side's fused kernel on p; lse may be null (the overload without lse).
+template <class Side>
+void run(const Problem& p, const typename Side::Options& options, float* out, float* lse) {
+  using View4 = typename Side::template View4<const float>;
+  const View4 q = Side::view(p.q.data(), p.layout, p.B, p.Hq, p.Sq, p.D);
+  const View4 k = Side::view(p.k.data(), p.layout, p.B, p.Hkv, p.Skv, p.D);
+  const View4 v = Side::view(p.v.data(), p.layout, p.B, p.Hkv, p.Skv, p.Dv);
+  const auto o = Side::view(out, p.layout, p.B, p.Hq, p.Sq, p.Dv);
+  if (lse != nullptr) {
+    Side::attention(q, k, v, o, typename Side::template View3<float>(lse, {p.B, p.Hq, p.Sq}), options);
+  } else {
+    Side::attention(q, k, v, o, options);
+  }
+}
+
+// Each version's entry points, spelled once for both namespaces (qkv is A, qkv_b is B).
+#define QKV_AB_SIDE(Side, ns)                                                                            \
+  struct Side {                                                                                          \
+    using Options = ns::AttentionOptions<float>;                                                         \
+    template <class T>                                                                                   \
+    using View4 = ns::TensorView4<T>;                                                                    \
+    template <class T>                                                                                   \
+    using View3 = ns::TensorView3<T>;                                                                    \
+    template <class T>                                                                                   \
+    static View4<T> view(T* data, Layout layout, Index B, Index H, Index S, Index D) {                   \
+      return layout == Layout::bhsd ? ns::view_bhsd(data, B, H, S, D) : ns::view_bshd(data, B, S, H, D); \
+    }                                                                                                    \
+    template <class... Args>                                                                             \
+    static void attention(const Args&... args) {                                                         \
+      ns::attention(args...);                                                                            \
+    }                                                                                                    \
+  };
+QKV_AB_SIDE(SideA, qkv)
+QKV_AB_SIDE(SideB, qkv_b)
+#undef QKV_AB_SIDE
+
+// Outputs of one side: with lse at 1 thread (the reference of the comparisons), with lse at 2 threads, and without
+// lse at 1 thread. Outputs start as NaN, so an element that one version leaves unwritten differs from the other's.
+struct SideResult {
+  std::vector<float> out1, lse1, out2, lse2, out_no_lse;
+};
+
+template <class Side>
+SideResult run_side(const Problem& p) {
+  const auto options = make_options<Side>(p);
+  SideResult r;
+  for (auto* x : {&r.out1, &r.out2, &r.out_no_lse}) x->assign(p.out_size(), kNaN);
+  for (auto* x : {&r.lse1, &r.lse2}) x->assign(p.lse_size(), kNaN);
+  set_threads(1);
+  run<Side>(p, options, r.out1.data(), r.lse1.data());
+  run<Side>(p, options, r.out_no_lse.data(), nullptr);
+  set_threads(2);
+  run<Side>(p, options, r.out2.data(), r.lse2.data());
+  set_threads(1);
+  return r;
+}
+
+bool matches(const std::string& name, const std::vector<std::string>& filters) {
+  if (filters.empty()) return true;
+  for (const auto& f : filters)
+    if (name.find(f) != std::string::npos) return true;
+  return false;
+}
+
+int bits_mode(const std::vector<std::string>& filters, bool perturb) {
+#if defined(_OPENMP)
+  const char* threads_note = "1 and 2 threads";
+#else
+  const char* threads_note = "1 thread only (built without OpenMP: the 2-thread call runs on one)";
+#endif
+  std::printf("bit check: A = qkv (%s), B = qkv_b (%s); each case with lse at %s, and without lse%s\n", qkv::isa_name(),
+              qkv_b::isa_name(), threads_note, perturb ? "; --perturb: B's first non-NaN out and lse flipped" : "");
+  std::printf(
+      "two NaNs count as equal (their sign and payload are the implementation's); differences in them are\n"
+      "noted after the line\n");
+  // Columns: the bits in which B's out and lse differ from A's (over the three calls); the bits in which a 2-thread or
+  // lse-less call differs from the same version's 1-thread call; then what A's output holds (NaN values, rows with
+  // lse −∞, i.e. rows that see no key), to show a case is not degenerate.
+  std::printf("%-40s %-48s %8s %8s %8s %8s %8s\n", "case", "shape", "out bits", "lse bits", "threads", "NaN out",
+              "-inf lse");
+  int cases = 0, failed = 0;
+  for (std::size_t s = 0; s < std::size(kShapes); ++s) {
+    const Shape& shape = kShapes[s];
+    bool any = false;
+    for (const PresetName& preset : kPresets) any = any || matches(case_name(shape, preset), filters);
+    if (!any) continue;
+    const BaseData base = make_base(shape, shape_seed(s));
+    for (std::size_t n = 0; n < std::size(kPresets); ++n) {
+      const std::string name = case_name(shape, kPresets[n]);
+      if (!matches(name, filters)) continue;
+      const Problem p = make_problem(shape, kPresets[n].preset, base, case_seed(s, n));
+      const SideResult a = run_side<SideA>(p);
+      SideResult b = run_side<SideB>(p);
+      // Each version's 2-thread and lse-less calls against its own 1-thread call: thread-count identity and the
+      // lse overload, which must hold on each side anyway.
+      BitDiff self;
+      for (const SideResult* r : {&a, static_cast<const SideResult*>(&b)}) {
+        self += compare_bits(r->out1, r->out2);
+        self += compare_bits(r->lse1, r->lse2);
+        self += compare_bits(r->out1, r->out_no_lse);
+      }
+      if (perturb) {  // the self-test: one ulp in B's first non-NaN output and lse
+        for (auto* x : {&b.out1, &b.lse1}) {
+          const auto first = std::find_if(x->begin(), x->end(), [](float e) { return !std::isnan(e); });
+          if (first == x->end()) continue;
+          std::uint32_t u;
+          std::memcpy(&u, &*first, sizeof u);
+          u ^= 1u;
+          std::memcpy(&*first, &u, sizeof u);
+        }
+      }
+      // B against A, at each configuration.
+      BitDiff out = compare_bits(a.out1, b.out1), lse = compare_bits(a.lse1, b.lse1);
+      out += compare_bits(a.out2, b.out2);
+      lse += compare_bits(a.lse2, b.lse2);
+      out += compare_bits(a.out_no_lse, b.out_no_lse);
+      const bool ok = out.bits == 0 && lse.bits == 0 && self.bits == 0;
+      ++cases;
+      failed += !ok;
+      char shape_text[96];
+      std::snprintf(shape_text, sizeof shape_text, "B=%td Hq=%td Hkv=%td Sq=%td Skv=%td D=%td Dv=%td %s", p.B, p.Hq,
+                    p.Hkv, p.Sq, p.Skv, p.D, p.Dv, p.layout == Layout::bhsd ? "bhsd" : "bshd");
+      const auto nan_values = std::count_if(a.out1.begin(), a.out1.end(), [](float x) { return std::isnan(x); });
+      const auto empty_rows = std::count(a.lse1.begin(), a.lse1.end(), -kInf);
+      std::printf("%-4s %-35s %-48s %8zu %8zu %8zu %8td %8td", ok ? "ok" : "DIFF", name.c_str(), shape_text, out.bits,
+                  lse.bits, self.bits, nan_values, empty_rows);
+      if (!ok) {
+        std::printf("   (values: out %zu, lse %zu, threads/lse %zu; max finite |A - B| %g)", out.values, lse.values,
+                    self.values, std::max(out.max_finite, lse.max_finite));
+      }
+      const std::size_t nan_payload = out.nan_payload + lse.nan_payload + self.nan_payload;
+      if (nan_payload > 0) std::printf("   (NaN sign or payload differs in %zu NaN values)", nan_payload);
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  if (cases == 0) {
+    std::fprintf(stderr, "no case matches the given names (--list shows them)\n");
+    return 2;
+  }
+  std::printf("%d of %d cases differ in their bits\n", failed, cases);
+  return failed == 0 ? 0 : 1;
+}
+
+// Times one case, A and B interleaved as in speed mode, one thread.
+int time_mode(const std::string& wanted, int rounds) {
+  for (std::size_t s = 0; s < std::size(kShapes); ++s) {
+    for (std::size_t n = 0; n < std::size(kPresets); ++n) {
+      if (case_name(kShapes[s], kPresets[n]) != wanted) continue;
+      const BaseData base = make_base(kShapes[s], shape_seed(s));
+      const Problem p = make_problem(kShapes[s], kPresets[n].preset, base, case_seed(s, n));
+      const auto options_a = make_options<SideA>(p);
+      const auto options_b = make_options<SideB>(p);
+      std::vector<float> out_a(p.out_size()), out_b(p.out_size());
+      set_threads(1);
+      const auto seconds = [&](auto&& f) {
+        const double t0 = now();
+        f();
+        return now() - t0;
+      };
+      const auto run_a = [&] { run<SideA>(p, options_a, out_a.data(), nullptr); };
+      const auto run_b = [&] { run<SideB>(p, options_b, out_b.data(), nullptr); };
+      run_a();  // warm-up
+      run_b();
+      std::vector<double> a, b;
+      int b_faster = 0;
+      for (int r = 0; r < rounds; ++r) {
+        fma_loop_gflops();
+        interleaved_round(r, seconds, run_a, run_b, a, b);
+        b_faster += b.back() < a.back();
+      }
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      const std::size_t m = a.size() / 2;
+      std::printf("%s, one thread, %d rounds\n", wanted.c_str(), rounds);
+      std::printf("A best %9.3f ms  median %9.3f ms\n", a[0] * 1e3, a[m] * 1e3);
+      std::printf("B best %9.3f ms  median %9.3f ms   B / A: best %.3f, median %.3f\n", b[0] * 1e3, b[m] * 1e3,
+                  b[0] / a[0], b[m] / a[m]);
+      std::printf("B faster in %d of %d rounds; outputs whose bits differ: %zu of %zu\n", b_faster, rounds,
+                  compare_bits(out_a, out_b).values, out_a.size());
+      return 0;
+    }
+  }
+  std::fprintf(stderr, "no case named %s (--list shows them)\n", wanted.c_str());
+  return 2;
+}
+
+int usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s D T rounds causal          speed (B = 1, H = 8, Sq = Skv = T, float, one thread)\n"
+               "       %s --bits [--perturb] [NAME...] bit check of every case (or those whose name contains NAME)\n"
+               "       %s --time NAME [rounds]       speed of one case (default 10 rounds)\n"
+               "       %s --list                     case names\n",
+               argv0, argv0, argv0, argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "--list") {
+    for (const Shape& shape : kShapes)
+      for (const PresetName& preset : kPresets) std::printf("%s\n", case_name(shape, preset).c_str());
+    return 0;
+  }
+  if (mode == "--bits") {
+    std::vector<std::string> filters;
+    bool perturb = false;
+    for (int i = 2; i < argc; ++i) {
+      if (std::string(argv[i]) == "--perturb") {
+        perturb = true;
+      } else {
+        filters.emplace_back(argv[i]);
+      }
+    }
+    return bits_mode(filters, perturb);
+  }
+  if (mode == "--time") {
+    if (argc < 3) return usage(argv[0]);
+    const int rounds = argc > 3 ? std::atoi(argv[3]) : 10;
+    if (rounds < 1) {
+      std::fprintf(stderr, "rounds must be at least 1\n");
+      return 2;
+    }
+    return time_mode(argv[2], rounds);
+  }
+  if (argc < 5) return usage(argv[0]);
+  const long D = std::atol(argv[1]), T = std::atol(argv[2]);
+  const int rounds = std::atoi(argv[3]);
+  if (D < 1 || T < 1 || rounds < 1) {
+    std::fprintf(stderr, "D, T and rounds must be at least 1\n");
+    return 2;
+  }
+  return speed_mode(D, T, rounds, std::atoi(argv[4]) != 0);
 }

@@ -2,9 +2,9 @@
 // tile must visit.
 //
 // Every backend asks this header and nothing else: `MaskGeometry` holds the index rules of one sequence
-// (key padding, causal diagonal, sliding window, global tokens), `HeadMask` adds the data-dependent parts of
-// one (sequence, query head) — the `allowed` and `bias` slices, ALiBi, scale and softcap — and turns a dot
-// product q·k into the score the softmax sees.
+// (key padding, causal diagonal, sliding window, global tokens), `MaskRules` holds a call's rules resolved once
+// from its options, and `HeadMask` adds the data-dependent parts of one (sequence, query head) — the `allowed`
+// and `bias` slices — with the score finishing of score.hpp (scale, softcap, bias, ALiBi).
 #pragma once
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 
 #include "qkv/config.hpp"
 #include "qkv/options.hpp"
+#include "qkv/score.hpp"
 #include "qkv/tensor_view.hpp"
 
 namespace qkv {
@@ -65,6 +66,15 @@ struct MaskGeometry {
     g.window_left = options.window_left;
     g.window_right = options.window_right;
     g.global_tokens = options.global_tokens;
+    return g;
+  }
+
+  /// The same index rules for a sequence of `sq` queries and `skv` keys (alignment as `bottom_right` says).
+  MaskGeometry resized(Index sq_b, Index skv_b, bool bottom_right) const noexcept {
+    MaskGeometry g = *this;
+    g.sq = sq_b;
+    g.skv = skv_b;
+    g.diag_offset = bottom_right ? skv_b - sq_b : 0;
     return g;
   }
 
@@ -148,48 +158,71 @@ struct MaskGeometry {
   }
 };
 
-/// Resolves `options.scale`: the explicit value, or 1/√D (seed 000 定理 2.4.1: the variance of q·k is D for
-/// unit-variance components, so this brings the scores back to unit variance).
+// MaskRules and HeadMask carry ScoreFinish (score.hpp), whose arithmetic depends on the build's ISA: they sit in
+// the ISA-named inline namespace with it, so that two units built with different flags never share a definition.
+inline namespace QKV_ISA_NAME {
+
+/// The mask and score rules of one call, resolved once from its validated options: the scale (explicit or 1/√D),
+/// softcap, the index rules and the views behind `allowed`, `bias` and ALiBi. Every (sequence, query head) takes its
+/// `HeadMask` from here (HeadMask::make), so no backend resolves the options again. Points into the options' storage,
+/// which outlives the call.
 template <class T>
-T resolve_scale(const AttentionOptions<T>& options, Index D) noexcept {
-  return options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(D));
-}
+struct MaskRules {
+  T scale = T(1);
+  T softcap = T(0);
+  MaskGeometry index_rules;  ///< causal, window and global tokens; resized per sequence
+  bool bottom_right = true;  ///< the causal alignment
+  TensorView4<const bool> allowed;
+  TensorView4<const T> bias;
+  const T* alibi_slopes = nullptr;  ///< one per query head, or null
+
+  /// The rules of `options` for head dimension D.
+  static MaskRules of(const AttentionOptions<T>& options, Index D) noexcept {
+    MaskRules r;
+    r.scale = resolve_scale(options, D);
+    r.softcap = options.softcap;
+    r.index_rules = MaskGeometry::make(0, 0, options);
+    r.bottom_right = options.alignment == CausalAlignment::bottom_right;
+    r.allowed = options.allowed;
+    r.bias = options.bias;
+    r.alibi_slopes = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
+    return r;
+  }
+
+  /// The index rules of a sequence of `sq` queries and `skv` keys.
+  MaskGeometry geometry(Index sq, Index skv) const noexcept { return index_rules.resized(sq, skv, bottom_right); }
+};
 
 /// Everything that turns a dot product into a score, and decides visibility, for one (sequence, query head).
-/// Built by the core entry point after validation; the views it points into outlive it.
+/// Built by the entry points after validation; the views it points into outlive it.
 template <class T>
 struct HeadMask {
   MaskGeometry geometry;
   T scale = T(1);
-  T softcap = T(0);
+  ScoreFinish<T> finishing;       ///< softcap, bias, ALiBi (score.hpp)
   const bool* allowed = nullptr;  ///< row i of this head's `allowed` slice starts at allowed + i·allowed_row_stride
   Index allowed_row_stride = 0;   ///< 0 when the Sq axis broadcasts
-  const T* bias = nullptr;        ///< same layout as `allowed`
-  Index bias_row_stride = 0;
-  T alibi_slope = T(0);
-  bool has_alibi = false;
 
-  /// Builds the mask of query head `h` of batch entry `b` from validated options (no varlen row offset:
-  /// `allowed` and `bias` are not combinable with varlen).
-  static HeadMask make(const AttentionOptions<T>& options, Index b, Index h, Index sq, Index skv,
-                       Index D) noexcept {
+  /// The mask of query head `h` of batch entry `b` (the view's batch index) for a sequence of `sq` queries and
+  /// `skv` keys (no varlen row offset: `allowed` and `bias` are not combinable with varlen).
+  static HeadMask make(const MaskRules<T>& rules, Index b, Index h, Index sq, Index skv) noexcept {
     HeadMask m;
-    m.geometry = MaskGeometry::make(sq, skv, options);
-    m.scale = resolve_scale(options, D);
-    m.softcap = options.softcap;
-    if (options.allowed.data() != nullptr) {
-      const auto& a = options.allowed;
+    m.geometry = rules.geometry(sq, skv);
+    m.scale = rules.scale;
+    m.finishing.softcap = rules.softcap;
+    if (rules.allowed.data() != nullptr) {
+      const auto& a = rules.allowed;
       m.allowed = a.data() + (a.extent(0) > 1 ? b * a.stride(0) : 0) + (a.extent(1) > 1 ? h * a.stride(1) : 0);
       m.allowed_row_stride = a.extent(2) > 1 ? a.stride(2) : 0;
     }
-    if (options.bias.data() != nullptr) {
-      const auto& a = options.bias;
-      m.bias = a.data() + (a.extent(0) > 1 ? b * a.stride(0) : 0) + (a.extent(1) > 1 ? h * a.stride(1) : 0);
-      m.bias_row_stride = a.extent(2) > 1 ? a.stride(2) : 0;
+    if (rules.bias.data() != nullptr) {
+      const auto& a = rules.bias;
+      m.finishing.bias = a.data() + (a.extent(0) > 1 ? b * a.stride(0) : 0) + (a.extent(1) > 1 ? h * a.stride(1) : 0);
+      m.finishing.bias_row_stride = a.extent(2) > 1 ? a.stride(2) : 0;
     }
-    if (!options.alibi_slopes.empty()) {
-      m.alibi_slope = options.alibi_slopes[static_cast<std::size_t>(h)];
-      m.has_alibi = true;
+    if (rules.alibi_slopes != nullptr) {
+      m.finishing.alibi_slope = rules.alibi_slopes[h];
+      m.finishing.has_alibi = true;
     }
     return m;
   }
@@ -199,7 +232,7 @@ struct HeadMask {
   bool visible(Index i, Index j) const noexcept {
     if (!geometry.visible(i, j)) return false;
     if (allowed != nullptr && !allowed[i * allowed_row_stride + j]) return false;
-    if (bias != nullptr && bias[i * bias_row_stride + j] == -std::numeric_limits<T>::infinity()) return false;
+    if (finishing.bias != nullptr && finishing.bias_at(i, j) == -std::numeric_limits<T>::infinity()) return false;
     return true;
   }
 
@@ -213,21 +246,16 @@ struct HeadMask {
   /// The score from an already scaled dot product (q_i·k_j·scale): softcap, then bias and ALiBi.
   template <class Acc>
   Acc finish(Acc scaled, Index i, Index j) const noexcept {
-    Acc s = scaled;
-    if (softcap > T(0)) s = static_cast<Acc>(softcap) * std::tanh(s / static_cast<Acc>(softcap));
-    if (bias != nullptr) s += static_cast<Acc>(bias[i * bias_row_stride + j]);
-    if (has_alibi) {
-      const Index distance = geometry.diag(i) > j ? geometry.diag(i) - j : j - geometry.diag(i);
-      s -= static_cast<Acc>(alibi_slope) * static_cast<Acc>(distance);
-    }
-    return s;
+    return finishing(scaled, i, j, geometry.diag(i));
   }
 
   /// Whether `finish` changes a scaled score (softcap, bias or ALiBi present).
-  bool modifies_scores() const noexcept { return softcap > T(0) || bias != nullptr || has_alibi; }
+  bool modifies_scores() const noexcept { return finishing.modifies_scores(); }
 
   /// Whether visibility depends on data (`allowed` or `bias`), not only on the index rules.
-  bool has_data_mask() const noexcept { return allowed != nullptr || bias != nullptr; }
+  bool has_data_mask() const noexcept { return allowed != nullptr || finishing.bias != nullptr; }
 };
+
+}  // namespace QKV_ISA_NAME
 
 }  // namespace qkv

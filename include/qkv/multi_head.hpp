@@ -46,6 +46,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/config.hpp"
+#include "qkv/detail/validate.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/options.hpp"
 #include "qkv/sdpa.hpp"
@@ -68,32 +69,6 @@ struct MultiHeadCoreObserver {
   static inline Callback callback = nullptr;
   static inline void* context = nullptr;
 };
-
-/// A packed-heads matrix (T × H·D, row-major, dense) as a zero-copy [1, H, T, D] view.
-template <class T>
-TensorView4<T> packed_heads_view(T* data, Index rows, Index heads, Index head_dim) {
-  const Index ld = heads * head_dim;
-  return TensorView4<T>(data, {1, heads, rows, head_dim}, {rows * ld, head_dim, ld, 1});
-}
-
-/// Varlen offsets `cu` over `rows` rows: cu[0] = 0, non-decreasing, last = rows.
-inline void check_module_cu_seqlens(const char* function, const char* name, const std::vector<Index>& cu, Index rows,
-                                    const char* rows_of) {
-  if (cu.empty()) return;
-  check_shape(cu.front() == 0, function, ": ", name, "[0] is ", cu.front(), ", expected 0");
-  for (std::size_t b = 1; b < cu.size(); ++b) {
-    check_shape(cu[b] >= cu[b - 1], function, ": ", name, " decreases at ", b, ": ", name, "[", b - 1,
-                "] = ", cu[b - 1], " > ", name, "[", b, "] = ", cu[b]);
-  }
-  check_shape(cu.back() == rows, function, ": ", name, " ends at ", cu.back(), ", expected ", rows, " (the rows of ",
-              rows_of, ")");
-}
-
-template <class Derived>
-constexpr void check_module_scalar() {
-  using S = typename Derived::Scalar;
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "qkv: the scalar type must be float or double");
-}
 
 }  // namespace detail
 
@@ -308,15 +283,10 @@ class MultiHeadAttention {
   template <class DW, class DB, class DO, class DOB>
   void load_pytorch(const Eigen::MatrixBase<DW>& in_proj_weight, const Eigen::MatrixBase<DB>& in_proj_bias,
                     const Eigen::MatrixBase<DO>& out_proj_weight, const Eigen::MatrixBase<DOB>& out_proj_bias) {
-    check_scalar<DW>();
-    check_scalar<DB>();
-    check_scalar<DO>();
-    check_scalar<DOB>();
+    check_scalar<DW, DB, DO, DOB>();
     const char* function = "qkv::MultiHeadAttention::load_pytorch";
-    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function,
-                        ": the packed in_proj_weight needs kdim = vdim = d_model, but kdim is ", config_.kdim,
-                        ", vdim is ", config_.vdim, " and d_model is ", config_.d_model,
-                        "; use load_pytorch(q_proj_weight, k_proj_weight, v_proj_weight, in_proj_bias, ...)");
+    check_self_projections(function, "the packed in_proj_weight needs",
+                           "; use load_pytorch(q_proj_weight, k_proj_weight, v_proj_weight, in_proj_bias, ...)");
     const Index q_out = q_columns(), kv_out = kv_columns();
     check_matrix(function, "in_proj_weight", in_proj_weight.rows(), in_proj_weight.cols(), q_out + 2 * kv_out,
                  config_.d_model, "[(n_heads + 2·n_kv_heads)·head_dim, d_model], PyTorch's [out, in]");
@@ -345,12 +315,7 @@ class MultiHeadAttention {
   void load_pytorch(const Eigen::MatrixBase<DQ>& q_proj_weight, const Eigen::MatrixBase<DK>& k_proj_weight,
                     const Eigen::MatrixBase<DV>& v_proj_weight, const Eigen::MatrixBase<DB>& in_proj_bias,
                     const Eigen::MatrixBase<DO>& out_proj_weight, const Eigen::MatrixBase<DOB>& out_proj_bias) {
-    check_scalar<DQ>();
-    check_scalar<DK>();
-    check_scalar<DV>();
-    check_scalar<DB>();
-    check_scalar<DO>();
-    check_scalar<DOB>();
+    check_scalar<DQ, DK, DV, DB, DO, DOB>();
     const char* function = "qkv::MultiHeadAttention::load_pytorch";
     const Index q_out = q_columns(), kv_out = kv_columns();
     check_matrix(function, "q_proj_weight", q_proj_weight.rows(), q_proj_weight.cols(), q_out, config_.d_model,
@@ -382,14 +347,9 @@ class MultiHeadAttention {
   template <class DW, class DB, class DO, class DOB>
   void load_fused_qkv(const Eigen::MatrixBase<DW>& W_qkv, const Eigen::MatrixBase<DB>& b_qkv,
                       const Eigen::MatrixBase<DO>& W_o_in, const Eigen::MatrixBase<DOB>& b_o_in) {
-    check_scalar<DW>();
-    check_scalar<DB>();
-    check_scalar<DO>();
-    check_scalar<DOB>();
+    check_scalar<DW, DB, DO, DOB>();
     const char* function = "qkv::MultiHeadAttention::load_fused_qkv";
-    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function,
-                        ": a fused W_qkv needs kdim = vdim = d_model, but kdim is ", config_.kdim, ", vdim is ",
-                        config_.vdim, " and d_model is ", config_.d_model);
+    check_self_projections(function, "a fused W_qkv needs");
     const Index q_out = q_columns(), kv_out = kv_columns();
     check_matrix(function, "W_qkv", W_qkv.rows(), W_qkv.cols(), config_.d_model, q_out + 2 * kv_out,
                  "[d_model, (n_heads + 2·n_kv_heads)·head_dim], [in, out]");
@@ -435,8 +395,7 @@ class MultiHeadAttention {
   template <class DQ, class DKV>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DKV>& X_kv,
                          const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
-    check_scalar<DQ>();
-    check_scalar<DKV>();
+    check_scalar<DQ, DKV>();
     return forward_impl("qkv::MultiHeadAttention::forward", X_q.derived(), "X_q", X_kv.derived(), "X_kv",
                         X_kv.derived(), "X_kv", options);
   }
@@ -448,9 +407,7 @@ class MultiHeadAttention {
   Matrix<Scalar> forward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DK>& X_k,
                          const Eigen::MatrixBase<DV>& X_v,
                          const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
-    check_scalar<DQ>();
-    check_scalar<DK>();
-    check_scalar<DV>();
+    check_scalar<DQ, DK, DV>();
     return forward_impl("qkv::MultiHeadAttention::forward", X_q.derived(), "X_q", X_k.derived(), "X_k", X_v.derived(),
                         "X_v", options);
   }
@@ -517,10 +474,7 @@ class MultiHeadAttention {
     const char* function = "qkv::MultiHeadAttention::forward";
     check_weights(function);
     check_shape_input(function, "X_new", X_new.cols(), config_.d_model, "d_model");
-    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function,
-                        ": decoding with a KV cache projects keys and values from X_new, which needs kdim = vdim = "
-                        "d_model, but kdim is ",
-                        config_.kdim, ", vdim is ", config_.vdim, " and d_model is ", config_.d_model);
+    check_self_projections(function, "decoding with a KV cache projects keys and values from X_new, which needs");
     detail::check_shape(cache.n_kv_heads() == config_.n_kv_heads && cache.head_dim() == config_.head_dim, function,
                         ": the cache has ", cache.n_kv_heads(), " kv heads of ", cache.head_dim(),
                         " features, expected n_kv_heads ", config_.n_kv_heads, " of head_dim ", config_.head_dim);
@@ -567,8 +521,7 @@ class MultiHeadAttention {
   template <class DQ, class DKV>
   Matrix<Scalar> attention_weights(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DKV>& X_kv, Index head,
                                    const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
-    check_scalar<DQ>();
-    check_scalar<DKV>();
+    check_scalar<DQ, DKV>();
     const char* function = "qkv::MultiHeadAttention::attention_weights";
     check_weights(function);
     check_shape_input(function, "X_q", X_q.cols(), config_.d_model, "d_model");
@@ -582,11 +535,19 @@ class MultiHeadAttention {
   }
 
  private:
-  template <class D>
+  /// Compile-time check of the scalar type of every Eigen argument: float or double, and the module's.
+  template <class... D>
   static constexpr void check_scalar() {
-    detail::check_module_scalar<D>();
-    static_assert(std::is_same_v<typename D::Scalar, Scalar>,
+    (detail::check_scalar_type<typename D::Scalar>(), ...);
+    static_assert((std::is_same_v<typename D::Scalar, Scalar> && ...),
                   "qkv::MultiHeadAttention: inputs and weights must have the module's scalar type");
+  }
+
+  /// Checks kdim = vdim = d_model, which `what` needs (a message fragment ending in "needs"), then `hint`.
+  void check_self_projections(const char* function, const char* what, const char* hint = "") const {
+    detail::check_shape(config_.kdim == config_.d_model && config_.vdim == config_.d_model, function, ": ", what,
+                        " kdim = vdim = d_model, but kdim is ", config_.kdim, ", vdim is ", config_.vdim,
+                        " and d_model is ", config_.d_model, hint);
   }
 
   static Config resolve(Config c) {
@@ -662,8 +623,15 @@ class MultiHeadAttention {
 
   static void check_varlen(const char* function, const AttentionOptions<Scalar>& options, Index q_rows,
                            const char* q_name, Index kv_rows, const char* kv_name) {
-    detail::check_module_cu_seqlens(function, "options.cu_seqlens_q", options.cu_seqlens_q, q_rows, q_name);
-    detail::check_module_cu_seqlens(function, "options.cu_seqlens_k", options.cu_seqlens_k, kv_rows, kv_name);
+    // Checked here, before the projections, to name the input whose rows they split. An empty list is left to the
+    // core, which rejects one side set without the other.
+    if (!options.cu_seqlens_q.empty()) {
+      detail::check_cu_seqlens(function, "options.cu_seqlens_q", options.cu_seqlens_q, q_rows, "the rows of ", q_name);
+    }
+    if (!options.cu_seqlens_k.empty()) {
+      detail::check_cu_seqlens(function, "options.cu_seqlens_k", options.cu_seqlens_k, kv_rows, "the rows of ",
+                               kv_name);
+    }
   }
 
   /// X·W + b (b empty: no bias), rows are tokens.
@@ -690,8 +658,8 @@ class MultiHeadAttention {
     const Matrix<Scalar> K = project(X_k, W_k, b_k);  // once per kv head: Tk × Hkv·head_dim
     const Matrix<Scalar> V = project(X_v, W_v, b_v);
     const Index H_kv = config_.n_kv_heads, D = config_.head_dim;
-    return attend(Q, detail::packed_heads_view<const Scalar>(K.data(), K.rows(), H_kv, D),
-                  detail::packed_heads_view<const Scalar>(V.data(), V.rows(), H_kv, D), options);
+    return attend(Q, detail::packed_heads_view(K.data(), K.rows(), H_kv, D, K.cols()),
+                  detail::packed_heads_view(V.data(), V.rows(), H_kv, D, V.cols()), options);
   }
 
   /// Y = attention(Q, k, v)·W_o + b_o, with Q packed (Tq × Hq·head_dim) and k, v [1, Hkv, Tk, head_dim] views.
@@ -699,10 +667,10 @@ class MultiHeadAttention {
                         const AttentionOptions<Scalar>& options) const {
     const Index Tq = Q.rows(), H_q = config_.n_heads, D = config_.head_dim;
     Matrix<Scalar> O(Tq, H_q * D);
-    const TensorView4<const Scalar> q = detail::packed_heads_view<const Scalar>(Q.data(), Tq, H_q, D);
+    const TensorView4<const Scalar> q = detail::packed_heads_view(Q.data(), Tq, H_q, D, Q.cols());
     using Observer = detail::MultiHeadCoreObserver<Scalar>;
     if (Observer::callback != nullptr) Observer::callback(q, k, v, Observer::context);
-    qkv::attention<Scalar>(q, k, v, detail::packed_heads_view<Scalar>(O.data(), Tq, H_q, D), options);
+    qkv::attention<Scalar>(q, k, v, detail::packed_heads_view(O.data(), Tq, H_q, D, O.cols()), options);
     return project(O, W_o, b_o);
   }
 

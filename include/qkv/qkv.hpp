@@ -10,6 +10,7 @@
 #include "qkv/options.hpp"
 #include "qkv/positional.hpp"
 #include "qkv/reference.hpp"
+#include "qkv/score.hpp"
 #include "qkv/scoring.hpp"
 #include "qkv/sdpa.hpp"
 #include "qkv/softmax.hpp"

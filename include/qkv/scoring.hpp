@@ -115,12 +115,14 @@ inline bool scoring_allowed(const ScoringOptions& options, Index t, Index j) {
 }
 
 /// e(t, j) = Σ_a v_a(a)·tanh(A_s(t, a) + A_h(j, a)) for j < length, −∞ for length ≤ j < T (the masks are
-/// applied later). A_s is steps × d_a, A_h is (at least) length × d_a; e is steps × T. One length × d_a scratch;
+/// applied later), with A_s = S·W_s (steps × d_a) and A_h = h[0, length)·W_h (length × d_a); e is steps × T, T the
+/// rows of h. W_s and W_h may be blocks of one matrix (the concat score). One length × d_a scratch;
 /// O(steps·length·d_a) tanh.
-template <class Scalar>
-Matrix<Scalar> additive_scores(const Matrix<Scalar>& A_s, const Matrix<Scalar>& A_h,
-                               const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& v_a, Index length, Index T) {
-  Matrix<Scalar> e = Matrix<Scalar>::Constant(A_s.rows(), T, -std::numeric_limits<Scalar>::infinity());
+template <class Scalar, class DS, class WS, class WH>
+Matrix<Scalar> additive_scores(const Eigen::MatrixBase<DS>& S, const WS& W_s, const ScoringRef<Scalar>& h,
+                               const WH& W_h, const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& v_a, Index length) {
+  const Matrix<Scalar> A_s = S * W_s, A_h = h.topRows(length) * W_h;
+  Matrix<Scalar> e = Matrix<Scalar>::Constant(A_s.rows(), h.rows(), -std::numeric_limits<Scalar>::infinity());
   Matrix<Scalar> hidden(length, A_h.cols());
   for (Index t = 0; t < A_s.rows(); ++t) {
     hidden = (A_h.topRows(length).rowwise() + A_s.row(t)).array().tanh();
@@ -169,6 +171,61 @@ inline void check_scoring_dims(const char* function, Index d_s, Index d_h, Index
   check_shape(d_a >= 1, function, ": d_a is ", d_a, ", expected at least 1");
 }
 
+/// e = X·hᵀ over the first `length` rows of h, −∞ for length ≤ j < T (the masks are applied later): the dot score
+/// (X = S) and the general one (X = S·W_a). X is steps × d_h; e is steps × T.
+template <class Scalar, class DX>
+Matrix<Scalar> dot_scores(const Eigen::MatrixBase<DX>& X, const ScoringRef<Scalar>& h, Index length) {
+  Matrix<Scalar> e = Matrix<Scalar>::Constant(X.rows(), h.rows(), -std::numeric_limits<Scalar>::infinity());
+  e.leftCols(length).noalias() = X * h.topRows(length).transpose();
+  return e;
+}
+
+/// The function names a scorer's `scores` and `forward` report in their messages.
+struct ScorerNames {
+  const char* scores;
+  const char* forward;
+};
+
+inline constexpr ScorerNames kAdditiveNames{"qkv::AdditiveAttention::scores", "qkv::AdditiveAttention::forward"};
+inline constexpr ScorerNames kDotNames{"qkv::DotAttention::scores", "qkv::DotAttention::forward"};
+inline constexpr ScorerNames kGeneralNames{"qkv::GeneralAttention::scores", "qkv::GeneralAttention::forward"};
+inline constexpr ScorerNames kConcatNames{"qkv::ConcatAttention::scores", "qkv::ConcatAttention::forward"};
+
+/// The public `scores` and `forward` of the classic scorers, written once (CRTP: `Scorer` derives from this and
+/// befriends it). `Scorer` supplies `check_inputs(function, d_s, d_h)` for its weights and the widths of S and H
+/// (checked before the masks) and `raw_scores(S, h, length)`: e before the masks, −∞ at positions j ≥ length.
+template <class Scorer, class Scalar, const ScorerNames& kNames>
+class ClassicScores {
+ public:
+  /// The scores e (steps × T): the scorer's score at visible positions, −∞ at hidden ones (α and c are not
+  /// computed). Shapes, throws and complexity as `forward`.
+  template <class DS, class DH>
+  Matrix<Scalar> scores(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
+                        const ScoringOptions& options = ScoringOptions()) const {
+    return evaluate(kNames.scores, S, H, options, false).scores;
+  }
+
+  /// Scores, weights and contexts of every decoder step at once (see the scorer's class comment).
+  template <class DS, class DH>
+  ScoredAttention<Scalar> forward(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
+                                  const ScoringOptions& options = ScoringOptions()) const {
+    return evaluate(kNames.forward, S, H, options, true);
+  }
+
+ private:
+  template <class DS, class DH>
+  ScoredAttention<Scalar> evaluate(const char* function, const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
+                                   const ScoringOptions& options, bool with_weights) const {
+    check_scoring_scalar<Scalar, DS>();
+    check_scoring_scalar<Scalar, DH>();
+    const Scorer& scorer = static_cast<const Scorer&>(*this);
+    scorer.check_inputs(function, S.cols(), H.cols());
+    const Index length = check_scoring_options(function, options, S.rows(), H.rows());
+    const ScoringRef<Scalar> h = H.derived();
+    return finish_scoring<Scalar>(scorer.raw_scores(S, h, length), h, options, length, with_weights);
+  }
+};
+
 }  // namespace detail
 
 /// Additive (Bahdanau) attention: e_tj = tanh(s_t·W_s + h_j·W_h)·v_a, α = softmax_j(e), c_t = Σ_j α_tj·h_j
@@ -186,6 +243,8 @@ inline void check_scoring_dims(const char* function, Index d_s, Index d_h, Index
 /// Complexity: S·W_s and H·W_h are one matrix product each for all steps (O((steps·d_s + T·d_h)·d_a)); the scores
 /// cost O(steps·T·d_a) tanh evaluations, one T × d_a row block at a time (nothing of size steps × T × d_a is
 /// formed); α and c cost O(steps·T·d_h). Allocates the results and O((steps + T)·d_a) scratch.
+/// Members: `forward(S, H, options)` returns e, α and c; `scores(S, H, options)` only e = tanh(s_t·W_s + h_j·W_h)·v_a
+/// at visible positions, −∞ at hidden ones (both from `detail::ClassicScores`).
 /// Thread safety: `scores` and `forward` are const and may run concurrently; changing the weights needs exclusive
 /// access.
 /// Example:
@@ -196,10 +255,8 @@ inline void check_scoring_dims(const char* function, Index d_s, Index d_h, Index
 ///
 /// Source: Bahdanau, Cho & Bengio 2015 (ICLR), eq. (6) and appendix A.1.2; seed 000 §2.4.2, 定义 2.4.2.
 template <class Scalar>
-class AdditiveAttention {
+class AdditiveAttention : public detail::ClassicScores<AdditiveAttention<Scalar>, Scalar, detail::kAdditiveNames> {
  public:
-  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
-
   /// A scorer with zero weights: W_s d_s × d_a, W_h d_h × d_a, v_a d_a. Throws shape_error when a size is < 1.
   AdditiveAttention(Index d_s, Index d_h, Index d_a) {
     detail::check_scoring_dims("qkv::AdditiveAttention", d_s, d_h, d_a);
@@ -208,6 +265,8 @@ class AdditiveAttention {
     v_a = Vector::Zero(d_a);
   }
 
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;  ///< the type of v_a
+
   /// Decoder-state projection [in = d_s, out = d_a] (the seed's W_s transposed).
   Matrix<Scalar> W_s;
   /// Encoder-state projection [in = d_h, out = d_a] (the seed's W_h transposed).
@@ -215,42 +274,21 @@ class AdditiveAttention {
   /// Score vector, d_a entries (the seed's v_a).
   Vector v_a;
 
-  /// The scores e (steps × T): tanh(s_t·W_s + h_j·W_h)·v_a at visible positions, −∞ at hidden ones.
-  /// Shapes, throws and complexity as `forward`.
-  template <class DS, class DH>
-  Matrix<Scalar> scores(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                        const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::AdditiveAttention::scores", S, H, options, false).scores;
-  }
-
-  /// Scores, weights and contexts of every decoder step at once (see the class comment).
-  template <class DS, class DH>
-  ScoredAttention<Scalar> forward(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                  const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::AdditiveAttention::forward", S, H, options, true);
-  }
-
  private:
-  template <class DS, class DH>
-  ScoredAttention<Scalar> evaluate(const char* function, const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                   const ScoringOptions& options, bool with_weights) const {
-    detail::check_scoring_scalar<Scalar, DS>();
-    detail::check_scoring_scalar<Scalar, DH>();
-    check_weights(function);
-    detail::check_scoring_width(function, "S", S.cols(), "d_s", W_s.rows(), "the rows of W_s");
-    detail::check_scoring_width(function, "H", H.cols(), "d_h", W_h.rows(), "the rows of W_h");
-    const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
-    const detail::ScoringRef<Scalar> h = H.derived();
-    const Matrix<Scalar> A_s = S * W_s, A_h = h.topRows(length) * W_h;
-    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options,
-                                          length, with_weights);
-  }
-
-  void check_weights(const char* function) const {
+  void check_inputs(const char* function, Index d_s, Index d_h) const {
     detail::check_shape(W_h.cols() == W_s.cols() && v_a.size() == W_s.cols(), function, ": W_s is ", W_s.rows(), " × ",
                         W_s.cols(), ", W_h is ", W_h.rows(), " × ", W_h.cols(), " and v_a has ", v_a.size(),
                         " entries; expected d_s × d_a, d_h × d_a and d_a with one d_a");
+    detail::check_scoring_width(function, "S", d_s, "d_s", W_s.rows(), "the rows of W_s");
+    detail::check_scoring_width(function, "H", d_h, "d_h", W_h.rows(), "the rows of W_h");
   }
+
+  template <class DS>
+  Matrix<Scalar> raw_scores(const Eigen::MatrixBase<DS>& S, const detail::ScoringRef<Scalar>& h, Index length) const {
+    return detail::additive_scores<Scalar>(S, W_s, h, W_h, v_a, length);
+  }
+
+  friend class detail::ClassicScores<AdditiveAttention, Scalar, detail::kAdditiveNames>;  // calls the two hooks above
 };
 
 /// Luong dot attention: e_tj = s_t·h_j, α = softmax_j(e), c_t = Σ_j α_tj·h_j (seed 000 定义 2.4.3, "dot"; the
@@ -261,40 +299,25 @@ class AdditiveAttention {
 /// score is unscaled), and the same `key_lengths` / `allowed`.
 /// Edge cases, masks: as `AdditiveAttention`. Throws: shape_error when S and H have different column counts, or
 /// the masks do not fit. Complexity: O(steps·T·d), e = S·Hᵀ in one matrix product; allocates the results.
+/// Members: `forward(S, H, options)` returns e, α and c; `scores(S, H, options)` only e = S·Hᵀ (visible positions;
+/// −∞ at hidden ones), both from `detail::ClassicScores`.
 /// Thread safety: stateless; any number of concurrent calls.
 /// Example: `qkv::DotAttention<double>().forward(S, H).weights`.
 /// Source: Luong, Pham & Manning 2015 (EMNLP), §3.1, eq. (8) "dot"; seed 000 §2.4.2, 定义 2.4.3.
 template <class Scalar>
-class DotAttention {
- public:
-  /// The scores e = S·Hᵀ (visible positions; −∞ at hidden ones). Shapes, throws and complexity as `forward`.
-  template <class DS, class DH>
-  Matrix<Scalar> scores(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                        const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::DotAttention::scores", S, H, options, false).scores;
-  }
-
-  /// Scores, weights and contexts of every decoder step at once (see the class comment).
-  template <class DS, class DH>
-  ScoredAttention<Scalar> forward(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                  const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::DotAttention::forward", S, H, options, true);
-  }
-
+class DotAttention : public detail::ClassicScores<DotAttention<Scalar>, Scalar, detail::kDotNames> {
  private:
-  template <class DS, class DH>
-  ScoredAttention<Scalar> evaluate(const char* function, const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                   const ScoringOptions& options, bool with_weights) const {
-    detail::check_scoring_scalar<Scalar, DS>();
-    detail::check_scoring_scalar<Scalar, DH>();
-    detail::check_scoring_width(function, "H", H.cols(), "d_s", S.cols(),
+  void check_inputs(const char* function, Index d_s, Index d_h) const {
+    detail::check_scoring_width(function, "H", d_h, "d_s", d_s,
                                 "the columns of S: the dot score needs d_s = d_h; use GeneralAttention otherwise");
-    const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
-    const detail::ScoringRef<Scalar> h = H.derived();
-    Matrix<Scalar> e = Matrix<Scalar>::Constant(S.rows(), H.rows(), -std::numeric_limits<Scalar>::infinity());
-    e.leftCols(length).noalias() = S * h.topRows(length).transpose();
-    return detail::finish_scoring<Scalar>(std::move(e), h, options, length, with_weights);
   }
+
+  template <class DS>
+  Matrix<Scalar> raw_scores(const Eigen::MatrixBase<DS>& S, const detail::ScoringRef<Scalar>& h, Index length) const {
+    return detail::dot_scores<Scalar>(S, h, length);
+  }
+
+  friend class detail::ClassicScores<DotAttention, Scalar, detail::kDotNames>;  // calls the two hooks above
 };
 
 /// Luong general attention: e_tj = s_t·W_a·h_jᵀ, α = softmax_j(e), c_t = Σ_j α_tj·h_j (seed 000 定义 2.4.3,
@@ -306,10 +329,12 @@ class DotAttention {
 /// not have W_a.cols() columns, or the masks do not fit; the constructor when a size is < 1.
 /// Complexity: O(steps·d_s·d_h + steps·T·d_h): S·W_a once, then one product with Hᵀ; allocates the results and
 /// steps × d_h scratch. Thread safety: const calls may run concurrently.
+/// Members: `forward(S, H, options)` returns e, α and c; `scores(S, H, options)` only e = S·W_a·Hᵀ (visible
+/// positions; −∞ at hidden ones), both from `detail::ClassicScores`.
 /// Example: `qkv::GeneralAttention<float> attention(256, 512); attention.W_a = W; auto r = attention.forward(S, H);`
 /// Source: Luong, Pham & Manning 2015 (EMNLP), §3.1, eq. (8) "general"; seed 000 §2.4.2, 定义 2.4.3.
 template <class Scalar>
-class GeneralAttention {
+class GeneralAttention : public detail::ClassicScores<GeneralAttention<Scalar>, Scalar, detail::kGeneralNames> {
  public:
   /// A scorer with W_a = 0 (d_s × d_h). Throws shape_error when a size is < 1.
   GeneralAttention(Index d_s, Index d_h) {
@@ -320,35 +345,19 @@ class GeneralAttention {
   /// Bilinear score matrix [in = d_s, out = d_h] (the seed's W_a ∈ R^{d_s×d_h}, unchanged).
   Matrix<Scalar> W_a;
 
-  /// The scores e = S·W_a·Hᵀ (visible positions; −∞ at hidden ones). Shapes, throws and complexity as `forward`.
-  template <class DS, class DH>
-  Matrix<Scalar> scores(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                        const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::GeneralAttention::scores", S, H, options, false).scores;
-  }
-
-  /// Scores, weights and contexts of every decoder step at once (see the class comment).
-  template <class DS, class DH>
-  ScoredAttention<Scalar> forward(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                  const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::GeneralAttention::forward", S, H, options, true);
-  }
-
  private:
-  template <class DS, class DH>
-  ScoredAttention<Scalar> evaluate(const char* function, const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                   const ScoringOptions& options, bool with_weights) const {
-    detail::check_scoring_scalar<Scalar, DS>();
-    detail::check_scoring_scalar<Scalar, DH>();
-    detail::check_scoring_width(function, "S", S.cols(), "d_s", W_a.rows(), "the rows of W_a");
-    detail::check_scoring_width(function, "H", H.cols(), "d_h", W_a.cols(), "the columns of W_a");
-    const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
-    const detail::ScoringRef<Scalar> h = H.derived();
-    const Matrix<Scalar> SW = S * W_a;
-    Matrix<Scalar> e = Matrix<Scalar>::Constant(S.rows(), H.rows(), -std::numeric_limits<Scalar>::infinity());
-    e.leftCols(length).noalias() = SW * h.topRows(length).transpose();
-    return detail::finish_scoring<Scalar>(std::move(e), h, options, length, with_weights);
+  void check_inputs(const char* function, Index d_s, Index d_h) const {
+    detail::check_scoring_width(function, "S", d_s, "d_s", W_a.rows(), "the rows of W_a");
+    detail::check_scoring_width(function, "H", d_h, "d_h", W_a.cols(), "the columns of W_a");
   }
+
+  template <class DS>
+  Matrix<Scalar> raw_scores(const Eigen::MatrixBase<DS>& S, const detail::ScoringRef<Scalar>& h, Index length) const {
+    const Matrix<Scalar> SW = S * W_a;
+    return detail::dot_scores<Scalar>(SW, h, length);
+  }
+
+  friend class detail::ClassicScores<GeneralAttention, Scalar, detail::kGeneralNames>;  // calls the two hooks above
 };
 
 /// Luong concat attention: e_tj = tanh([s_t, h_j]·W_a)·v_a, α = softmax_j(e), c_t = Σ_j α_tj·h_j (seed 000 定义
@@ -364,13 +373,13 @@ class GeneralAttention {
 /// have W_a.rows() − S.cols() columns, v_a does not have W_a.cols() entries, or the masks do not fit; the
 /// constructor when a size is < 1.
 /// Complexity: as `AdditiveAttention`. Thread safety: const calls may run concurrently.
+/// Members: `forward(S, H, options)` returns e, α and c; `scores(S, H, options)` only e = tanh([s_t, h_j]·W_a)·v_a
+/// (visible positions; −∞ at hidden ones), both from `detail::ClassicScores`.
 /// Example: `qkv::ConcatAttention<float> attention(256, 512, 128); attention.W_a = W; attention.v_a = v;`
 /// Source: Luong, Pham & Manning 2015 (EMNLP), §3.1, eq. (8) "concat"; seed 000 §2.4.2, 定义 2.4.3.
 template <class Scalar>
-class ConcatAttention {
+class ConcatAttention : public detail::ClassicScores<ConcatAttention<Scalar>, Scalar, detail::kConcatNames> {
  public:
-  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
-
   /// A scorer with zero weights: W_a (d_s + d_h) × d_a, v_a d_a. Throws shape_error when a size is < 1.
   ConcatAttention(Index d_s, Index d_h, Index d_a) {
     detail::check_scoring_dims("qkv::ConcatAttention", d_s, d_h, d_a);
@@ -378,44 +387,30 @@ class ConcatAttention {
     v_a = Vector::Zero(d_a);
   }
 
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;  ///< the type of v_a
+
   /// Projection of the concatenation [s, h], [in = d_s + d_h, out = d_a] (the seed's W_a transposed).
   Matrix<Scalar> W_a;
   /// Score vector, d_a entries (the seed's v_a).
   Vector v_a;
 
-  /// The scores e = tanh([s_t, h_j]·W_a)·v_a (visible positions; −∞ at hidden ones). As `forward`.
-  template <class DS, class DH>
-  Matrix<Scalar> scores(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                        const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::ConcatAttention::scores", S, H, options, false).scores;
-  }
-
-  /// Scores, weights and contexts of every decoder step at once (see the class comment).
-  template <class DS, class DH>
-  ScoredAttention<Scalar> forward(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                  const ScoringOptions& options = ScoringOptions()) const {
-    return evaluate("qkv::ConcatAttention::forward", S, H, options, true);
-  }
-
  private:
-  template <class DS, class DH>
-  ScoredAttention<Scalar> evaluate(const char* function, const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DH>& H,
-                                   const ScoringOptions& options, bool with_weights) const {
-    detail::check_scoring_scalar<Scalar, DS>();
-    detail::check_scoring_scalar<Scalar, DH>();
+  /// d_s is read from S; the remaining rows of W_a multiply h.
+  void check_inputs(const char* function, Index d_s, Index d_h) const {
     detail::check_shape(v_a.size() == W_a.cols(), function, ": v_a has ", v_a.size(), " entries, expected d_a ",
                         W_a.cols(), " (the columns of W_a)");
-    detail::check_shape(S.cols() >= 1 && S.cols() < W_a.rows(), function, ": S has ", S.cols(),
-                        " columns, expected d_s in [1, ", W_a.rows() - 1, "] (W_a has d_s + d_h = ", W_a.rows(),
-                        " rows)");
-    const Index d_s = S.cols(), d_h = W_a.rows() - d_s;
-    detail::check_scoring_width(function, "H", H.cols(), "d_h", d_h, "the rows of W_a minus the columns of S");
-    const Index length = detail::check_scoring_options(function, options, S.rows(), H.rows());
-    const detail::ScoringRef<Scalar> h = H.derived();
-    const Matrix<Scalar> A_s = S * W_a.topRows(d_s), A_h = h.topRows(length) * W_a.bottomRows(d_h);
-    return detail::finish_scoring<Scalar>(detail::additive_scores<Scalar>(A_s, A_h, v_a, length, h.rows()), h, options,
-                                          length, with_weights);
+    detail::check_shape(d_s >= 1 && d_s < W_a.rows(), function, ": S has ", d_s, " columns, expected d_s in [1, ",
+                        W_a.rows() - 1, "] (W_a has d_s + d_h = ", W_a.rows(), " rows)");
+    detail::check_scoring_width(function, "H", d_h, "d_h", W_a.rows() - d_s, "the rows of W_a minus the columns of S");
   }
+
+  template <class DS>
+  Matrix<Scalar> raw_scores(const Eigen::MatrixBase<DS>& S, const detail::ScoringRef<Scalar>& h, Index length) const {
+    const Index d_s = S.cols(), d_h = W_a.rows() - d_s;
+    return detail::additive_scores<Scalar>(S, W_a.topRows(d_s), h, W_a.bottomRows(d_h), v_a, length);
+  }
+
+  friend class detail::ClassicScores<ConcatAttention, Scalar, detail::kConcatNames>;  // calls the two hooks above
 };
 
 }  // namespace qkv

@@ -9,6 +9,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/config.hpp"
+#include "qkv/detail/validate.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor_view.hpp"
@@ -30,10 +31,11 @@ namespace detail {
 template <class Scalar>
 using RowMajorRef = Eigen::Ref<const Matrix<Scalar>, 0, Eigen::OuterStride<>>;
 
+/// A bound packed-heads matrix as a [1, H, T, D] view. Its row stride is the outer stride, or the width when it has
+/// a single row (the stride is then never stepped).
 template <class Scalar>
 TensorView4<const Scalar> packed_view(const RowMajorRef<Scalar>& m, Index heads, Index head_dim) {
-  const Index ld = m.rows() > 1 ? m.outerStride() : m.cols();
-  return TensorView4<const Scalar>(m.data(), {1, heads, m.rows(), head_dim}, {m.rows() * ld, head_dim, ld, 1});
+  return packed_heads_view(m.data(), m.rows(), heads, head_dim, m.rows() > 1 ? m.outerStride() : m.cols());
 }
 
 struct PackedShape {
@@ -59,8 +61,7 @@ inline PackedShape packed_shape(const char* function, Heads heads, Index q_cols,
   s.dv = 0;
   if (v_cols != nullptr) {
     check_shape(*v_rows == k_rows, function, ": V has ", *v_rows, " rows, expected ", k_rows, " (the rows of K)");
-    check_shape(*v_cols % s.Hkv == 0, function, ": V has ", *v_cols, " columns, not a multiple of n_kv_heads ",
-                s.Hkv);
+    check_shape(*v_cols % s.Hkv == 0, function, ": V has ", *v_cols, " columns, not a multiple of n_kv_heads ", s.Hkv);
     s.dv = *v_cols / s.Hkv;
   }
   return s;
@@ -69,8 +70,7 @@ inline PackedShape packed_shape(const char* function, Heads heads, Index q_cols,
 template <class DQ, class DK, class DV>
 constexpr void check_scalars() {
   using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
-                "qkv: the scalar type must be float or double");
+  check_scalar_type<Scalar>();
   static_assert(std::is_same_v<Scalar, typename DK::Scalar> && std::is_same_v<Scalar, typename DV::Scalar>,
                 "qkv: Q, K and V must have the same scalar type");
 }
@@ -83,10 +83,8 @@ Matrix<Scalar> sdpa_packed(const char* function, const RowMajorRef<Scalar>& q, c
   const Index v_cols = v.cols(), v_rows = v.rows();
   const PackedShape s = packed_shape(function, heads, q.cols(), k.cols(), k.rows(), &v_cols, &v_rows);
   Matrix<Scalar> out(q.rows(), s.Hq * s.dv);
-  const Index ld = out.cols();
-  TensorView4<Scalar> out_view(out.data(), {1, s.Hq, q.rows(), s.dv}, {q.rows() * ld, s.dv, ld, 1});
-  attention_impl<Scalar>(function, packed_view(q, s.Hq, s.dk), packed_view(k, s.Hkv, s.dk),
-                         packed_view(v, s.Hkv, s.dv), out_view, nullptr, options);
+  attention_impl<Scalar>(function, packed_view(q, s.Hq, s.dk), packed_view(k, s.Hkv, s.dk), packed_view(v, s.Hkv, s.dv),
+                         packed_heads_view(out.data(), out.rows(), s.Hq, s.dv, out.cols()), nullptr, options);
   return out;
 }
 
@@ -103,13 +101,13 @@ Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q
   const Index h_kv = head / shape.group;
   reference::AccMatrix p;
   reference::AccVector lse;
-  const double sink = options.sinks.empty() ? -std::numeric_limits<double>::infinity()
-                                            : static_cast<double>(options.sinks[static_cast<std::size_t>(head)]);
+  const AttentionParams<Scalar> params = resolve_params(options, s.dk);
+  const double sink = static_cast<double>(params.sink(head));
   for (Index b = 0; b < shape.n_sequences; ++b) {
     const std::size_t s_b = static_cast<std::size_t>(b);
     const SequenceRows q_rows = shape.varlen ? shape.q_rows[s_b] : all_q;
     const SequenceRows kv_rows = shape.varlen ? shape.kv_rows[s_b] : all_k;
-    const HeadMask<Scalar> mask = HeadMask<Scalar>::make(options, 0, head, q_rows.length, shape.key_counts[s_b], s.dk);
+    const HeadMask<Scalar> mask = params.head_mask(0, head, q_rows.length, shape.key_counts[s_b]);
     reference::head_weights(rows_of(q_view, 0, head, q_rows), rows_of(k_view, 0, h_kv, kv_rows), mask, sink, p, lse);
     weights.block(q_rows.begin, kv_rows.begin, q_rows.length, kv_rows.length) = p.template cast<Scalar>();
   }
@@ -163,8 +161,8 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
     const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
   detail::check_scalars<DQ, DK, DV>();
   using Scalar = typename DQ::Scalar;
-  return detail::sdpa_packed<Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(),
-                                     heads, options);
+  return detail::sdpa_packed<Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(), heads,
+                                     options);
 }
 
 /// The attention weights P (Tq × Tk) of one head, for inspection (seed 000 §2.4.7): row i is the softmax of

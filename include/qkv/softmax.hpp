@@ -119,7 +119,7 @@ void merge_state(const T* out_a, T lse_a, const T* out_b, T lse_b, T* out, T& ls
   }
   // The weights come from the difference of the two lse alone, as 1 / (1 + e) and e / (1 + e) with
   // e = exp(−|lse_a − lse_b|) ≤ 1. Forming exp(lse_a − lse) from the rounded merged lse instead would lose
-  // |lse|·2^-24 of relative accuracy (2e-6 in float at |lse| ≈ 40, found by fuzz/fuzz_attention.cpp with sinks).
+  // |lse|·2^-24 of relative accuracy (2e-6 in float at |lse| ≈ 40; fuzz/README.md, finding 2).
   // NaN in either lse propagates through e.
   const bool a_larger = lse_a >= lse_b;
   const T e = std::exp(-std::abs(lse_a - lse_b));
@@ -127,7 +127,8 @@ void merge_state(const T* out_a, T lse_a, const T* out_b, T lse_b, T* out, T& ls
   const T weight_a = a_larger ? weight_larger : weight_smaller, weight_b = a_larger ? weight_smaller : weight_larger;
   const T merged = std::max(lse_a, lse_b) + std::log1p(e);
   for (Index d = 0; d < Dv; ++d) out[d] = weight_a * out_a[d] + weight_b * out_b[d];
-  lse = merged;
+  // A NaN lse is the one quiet NaN: the sign of a sum of two NaNs follows the operand order the compiler picked.
+  lse = std::isnan(merged) ? std::numeric_limits<T>::quiet_NaN() : merged;
 }
 
 }  // namespace detail

@@ -1,9 +1,9 @@
-// Consumer of an installed qkv: one scaled_dot_product_attention on seed 000, example 2.4.1 (Q = K, 3 x 2),
-// checked against the same numbers computed here by hand. Returns non-zero on a mismatch.
-#include <qkv/qkv.hpp>
-
+// The program of both consumer projects (find_package of an installed qkv, add_subdirectory of the source tree): one
+// scaled_dot_product_attention on seed 000, example 2.4.1 (Q = K, 3 x 2), checked against the same numbers computed
+// here by hand. Returns non-zero on a mismatch.
 #include <cmath>
 #include <cstdio>
+#include <qkv/qkv.hpp>
 
 int main() {
   qkv::Matrix<double> q(3, 2);

@@ -1,0 +1,37 @@
+// qkv/detail/attention_params.hpp — a call's options, resolved once at the boundary (FlashAttention's
+// Flash_fwd_params).
+//
+// attention.hpp builds these after validation, and both backends read them: the mask and score rules (MaskRules:
+// the scale resolved once, softcap, index rules, `allowed`, `bias`, ALiBi), scale·log2 e for the base-2 softmax,
+// and the sinks. Every later option (16-bit K/V, dropout, global positions) is meant to arrive here too, so no
+// kernel reads AttentionOptions.
+#pragma once
+
+#include <limits>
+
+#include "qkv/config.hpp"
+#include "qkv/mask.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {  // holds MaskRules, whose HeadMask arithmetic depends on the ISA (mask.hpp)
+
+/// The parameters of one call (see the comment above).
+template <class T>
+struct AttentionParams {
+  MaskRules<T> rules;        ///< rules.scale is the call's scale: options.scale or 1/√D
+  T scale_log2e = T(1);      ///< rules.scale · log2 e, rounded once: the base-2 prefill's factor on Q
+  const T* sinks = nullptr;  ///< one logit per query head, or null
+
+  /// The mask of query head h of batch entry b (the view's batch index) for a sequence of sq queries, skv keys.
+  HeadMask<T> head_mask(Index b, Index h, Index sq, Index skv) const noexcept {
+    return HeadMask<T>::make(rules, b, h, sq, skv);
+  }
+
+  /// Query head h's sink logit; −∞ (no sink) when the call has none.
+  T sink(Index h) const noexcept { return sinks != nullptr ? sinks[h] : -std::numeric_limits<T>::infinity(); }
+};
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv

@@ -1,0 +1,155 @@
+// qkv/detail/decode_kernels.hpp — the decoding micro-kernels: Q·Kᵀ and P·V with K and V read in place.
+//
+// Decoding (few query rows) reads the whole cache once per token, so it streams K and V where they lie instead of
+// packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
+// values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range. Per key and kv head
+// (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs.
+#pragma once
+
+#include "qkv/config.hpp"
+#include "qkv/detail/fused_tiles.hpp"
+#include "qkv/simd/simd.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+
+/// Prefetches the first n floats of row p (one hint per 64-byte line).
+inline void prefetch_row(const float* p, Index n) noexcept {
+  for (Index d = 0; d < n; d += 16) simd::prefetch(p + d);
+}
+
+/// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
+/// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
+/// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
+/// rows of q, accumulating vertically over d; the R × NK sums are then reduced four at a time by a transposing
+/// reduction (reduce_sum4), not one horizontal reduction per (row, key). D tails by masked loads, so nothing past
+/// a row is read; a remainder of keys one at a time.
+template <class Tag, int R>
+inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, Index keys, Index D, float* s,
+                        Index lds) noexcept {
+  using namespace simd;
+  using Vec = typename Tag::Vec;
+  constexpr int L = Tag::kLanes;
+  constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
+  constexpr int NK = L >= 16 ? 4 : 2;
+  static_assert(R >= 1 && R <= 4, "qkv: qk_in_place takes at most 4 rows");
+  const Index d_full = D / L * L;
+  const int tail = static_cast<int>(D - d_full);
+  Index j = 0;
+  for (; j + NK <= keys; j += NK) {
+    Vec acc[R * NK];
+    QKV_UNROLL for (int a = 0; a < R * NK; ++a) acc[a] = zero(Tag());
+    const float* key = k + j * ldk;
+    if (j + kDecodePrefetchKeys + NK <= keys) {
+      QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
+    }
+    for (Index d = 0; d < d_full; d += L) {
+      Vec kv[NK];
+      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load(Tag(), key + c * ldk + d);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        const Vec qv = load(Tag(), q + r * ldq + d);
+        QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
+      }
+    }
+    if (tail > 0) {
+      Vec kv[NK];
+      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_partial(Tag(), key + c * ldk + d_full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        const Vec qv = load_partial(Tag(), q + r * ldq + d_full, tail);
+        QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
+      }
+    }
+    // Sums in (row, key) order, four at a time; then each row's NK scores go to its row of s.
+    constexpr int kSums = (R * NK + 3) / 4 * 4;
+    float sums[kSums];
+    QKV_UNROLL for (int a = 0; a < R * NK; a += 4) {
+      reduce_sum4(Tag(), acc[a], a + 1 < R * NK ? acc[a + 1] : zero(Tag()), a + 2 < R * NK ? acc[a + 2] : zero(Tag()),
+                  a + 3 < R * NK ? acc[a + 3] : zero(Tag()), sums + a);
+    }
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      QKV_UNROLL for (int c = 0; c < NK; ++c) s[r * lds + j + c] = sums[r * NK + c];
+    }
+  }
+  for (; j < keys; ++j) {
+    Vec acc[R];
+    QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = zero(Tag());
+    const float* k0 = k + j * ldk;
+    for (Index d = 0; d < d_full; d += L) {
+      const auto kv0 = load(Tag(), k0 + d);
+      QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = fmadd(load(Tag(), q + r * ldq + d), kv0, acc[r]);
+    }
+    if (tail > 0) {
+      const auto kv0 = load_partial(Tag(), k0 + d_full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] =
+          fmadd(load_partial(Tag(), q + r * ldq + d_full, tail), kv0, acc[r]);
+    }
+    QKV_UNROLL for (int r = 0; r < R; ++r) s[r * lds + j] = reduce_sum(Tag(), acc[r]);
+  }
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
+/// P·V. V must stream in order at the prefetchers' pace (visiting a group of keys column slice by column slice, so
+/// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go two
+/// at a time: the 2·R weights sit in registers, and each acc_o vector (L1) is loaded and stored once per two keys
+/// instead of once per key. Per V line: 2 V loads, R acc_o loads and R stores, 2·R FMAs per vector. Dv tails by
+/// masked loads; an odd last key alone.
+template <class Tag, int R>
+inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                        Index Dv) noexcept {
+  using namespace simd;
+  using Vec = typename Tag::Vec;
+  constexpr int L = Tag::kLanes;
+  static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
+  constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
+  const Index full = Dv / L * L;
+  const int tail = static_cast<int>(Dv - full);
+  Index j = 0;
+  for (; j + 2 <= keys; j += 2) {
+    const float* v0 = v + j * ldv;
+    const float* v1 = v0 + ldv;
+    if (j + kDecodePrefetchKeys + 2 <= keys) {
+      prefetch_row(v0 + kDecodePrefetchKeys * ldv, Dv);
+      prefetch_row(v1 + kDecodePrefetchKeys * ldv, Dv);
+    }
+    Vec p0[R], p1[R];
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      p0[r] = set1(Tag(), p[r * ldp + j]);
+      p1[r] = set1(Tag(), p[r * ldp + j + 1]);
+    }
+    for (Index c = 0; c < full; c += L) {
+      const Vec a = load(Tag(), v0 + c), b = load(Tag(), v1 + c);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        store(Tag(), o + r * ldo + c, fmadd(p1[r], b, fmadd(p0[r], a, load(Tag(), o + r * ldo + c))));
+      }
+    }
+    if (tail > 0) {
+      const Vec a = load_partial(Tag(), v0 + full, tail), b = load_partial(Tag(), v1 + full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        float* out = o + r * ldo + full;
+        store_partial(Tag(), out, fmadd(p1[r], b, fmadd(p0[r], a, load_partial(Tag(), out, tail))), tail);
+      }
+    }
+  }
+  if (j < keys) {
+    const float* v0 = v + j * ldv;
+    Vec p0[R];
+    QKV_UNROLL for (int r = 0; r < R; ++r) p0[r] = set1(Tag(), p[r * ldp + j]);
+    for (Index c = 0; c < full; c += L) {
+      const Vec a = load(Tag(), v0 + c);
+      QKV_UNROLL for (int r = 0; r < R; ++r)
+          store(Tag(), o + r * ldo + c, fmadd(p0[r], a, load(Tag(), o + r * ldo + c)));
+    }
+    if (tail > 0) {
+      const Vec a = load_partial(Tag(), v0 + full, tail);
+      QKV_UNROLL for (int r = 0; r < R; ++r) {
+        float* out = o + r * ldo + full;
+        store_partial(Tag(), out, fmadd(p0[r], a, load_partial(Tag(), out, tail)), tail);
+      }
+    }
+  }
+}
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv

@@ -1,0 +1,54 @@
+// qkv/detail/hidden_values.hpp — P·V where a hidden key's value may hold NaN or ∞.
+//
+// The fused kernel multiplies a hidden key's weight, exactly 0, by its value only where the tile's values are all
+// finite (all_finite); otherwise it skips the zero weights (pv_skip_zero_weights), so a NaN or ∞ stored in a hidden
+// slot never reaches the output (docs/design.md: select, never multiply by zero).
+#pragma once
+
+#include <cmath>
+
+#include "qkv/config.hpp"
+#include "qkv/simd/simd.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `n_rows` rows over the keys of non-zero weight only: the
+/// P·V of a tile whose values hold NaN or ∞ where some key may be hidden, so that a hidden slot (weight 0) is never
+/// read into the arithmetic (docs/design.md: select, never multiply by zero). Scalar: such tiles are rare. One fused
+/// multiply-add per key, in key order, as the vector kernels do, so the rows a poisoned slot cannot reach get the same
+/// bits as without the poison in every build (a plain `+= a·b` is contracted to an FMA or not depending on -march).
+inline void pv_skip_zero_weights(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                                 Index Dv, Index n_rows) noexcept {
+  for (Index r = 0; r < n_rows; ++r) {
+    const float* weights = p + r * ldp;
+    float* out = o + r * ldo;
+    for (Index j = 0; j < keys; ++j) {
+      if (weights[j] == 0.0f) continue;
+      const float* value = v + j * ldv;
+      for (Index d = 0; d < Dv; ++d) out[d] = std::fma(weights[j], value[d], out[d]);
+    }
+  }
+}
+
+/// Whether the first n floats of `rows` rows (`ld` apart) are all finite: Σ x·0 is 0 for finite x and NaN
+/// otherwise. Vectorized; reads exactly those floats.
+template <class Tag>
+inline bool all_finite(const float* rows, Index n_rows, Index n, Index ld) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  const auto zero_vector = zero(Tag());
+  auto acc = zero(Tag());
+  const Index full = n / L * L;
+  for (Index r = 0; r < n_rows; ++r) {
+    const float* row = rows + r * ld;
+    for (Index d = 0; d < full; d += L) acc = add(acc, mul(load(Tag(), row + d), zero_vector));
+    if (full < n) acc = add(acc, mul(load_partial(Tag(), row + full, static_cast<int>(n - full)), zero_vector));
+  }
+  return reduce_sum(Tag(), acc) == 0.0f;
+}
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv

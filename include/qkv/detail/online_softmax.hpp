@@ -1,0 +1,133 @@
+// qkv/detail/online_softmax.hpp — the running softmax of a block of query rows (FlashAttention's Softmax).
+//
+// Per row r: row_max (the largest score seen), row_sum (Σ exp(s − row_max) over the keys seen) and acc_o (Σ of the
+// weights times V, in the same units). Each tile of scores becomes weights in place (`update`), acc_o is rescaled
+// only when the row's max rose, and `finalize` divides once per row and gives the lse. The base is a template
+// parameter: kBase2 takes scores already multiplied by log2 e and uses exp2 (the prefill's fast path), otherwise
+// exp (decoding, and a prefill task whose scores could overflow in base 2: query_block.hpp, base2_fits).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "qkv/config.hpp"
+#include "qkv/simd/simd.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+
+/// The online softmax state of a task's rows, over scratch the caller owns: row_max and row_sum (M floats each),
+/// row_nan (M flags: a NaN among the row's visible scores) and acc_o (M × Dv floats, row r at acc_o + r·Dv).
+template <class Tag, bool kBase2>
+class OnlineSoftmax {
+ public:
+  using Vec = typename Tag::Vec;
+
+  OnlineSoftmax(float* row_max, float* row_sum, char* row_nan, float* acc_o, Index Dv) noexcept
+      : row_max_(row_max), row_sum_(row_sum), row_nan_(row_nan), acc_o_(acc_o), Dv_(Dv) {}
+
+  /// exp in the softmax's base, vector and scalar (apart: with the scalar tag, Vec is float, and its simd::exp is
+  /// not std::exp).
+  static Vec vector_exp(Vec x) noexcept {
+    if constexpr (kBase2) {
+      return simd::exp2(Tag(), x);
+    } else {
+      return simd::exp(Tag(), x);
+    }
+  }
+  static float scalar_exp(float x) noexcept { return kBase2 ? std::exp2(x) : std::exp(x); }
+
+  /// Clears rows [0, M): no key seen, acc_o zero.
+  void reset(Index M) noexcept {
+    std::fill(row_max_, row_max_ + M, -std::numeric_limits<float>::infinity());
+    std::fill(row_sum_, row_sum_ + M, 0.0f);
+    std::fill(row_nan_, row_nan_ + M, 0);
+    std::fill(acc_o_, acc_o_ + M * Dv_, 0.0f);
+  }
+
+  /// Row r's acc_o (its output after `finalize`).
+  float* acc_o(Index r) const noexcept { return acc_o_ + r * Dv_; }
+
+  /// Turns the scores row[first, n) of row r (hidden keys −∞) into weights exp(s − row_max) in place and adds them
+  /// to row_sum; rescales row_sum and acc_o by exp(old max − new max) when the max rose. While the row has seen no
+  /// visible key, its weights are 0 and a NaN among them is remembered (max would lose it).
+  void update(Index r, float* row, Index first, Index n) noexcept {
+    using namespace simd;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr int L = Tag::kLanes;
+    const Index n_vec = first + (n - first) / L * L;
+    auto vmax = set1(Tag(), kNegInf);
+    for (Index jj = first; jj < n_vec; jj += L) vmax = max(vmax, load(Tag(), row + jj));
+    float tile_max = reduce_max(Tag(), vmax);
+    for (Index jj = n_vec; jj < n; ++jj) tile_max = std::max(tile_max, row[jj]);
+    const float old_max = row_max_[r];
+    const float new_max = std::max(old_max, tile_max);
+    if (new_max == kNegInf) {
+      for (Index jj = first; jj < n; ++jj) {
+        if (std::isnan(row[jj])) row_nan_[r] = 1;
+        row[jj] = 0.0f;
+      }
+      return;
+    }
+    const auto vm = set1(Tag(), new_max);
+    auto vsum = zero(Tag());
+    for (Index jj = first; jj < n_vec; jj += L) {
+      const auto e = vector_exp(sub(load(Tag(), row + jj), vm));
+      store(Tag(), row + jj, e);
+      vsum = add(vsum, e);
+    }
+    float sum = reduce_sum(Tag(), vsum);
+    for (Index jj = n_vec; jj < n; ++jj) {
+      row[jj] = scalar_exp(row[jj] - new_max);
+      sum += row[jj];
+    }
+    if (new_max > old_max && old_max != kNegInf) {
+      const float alpha = scalar_exp(old_max - new_max);
+      row_sum_[r] *= alpha;
+      float* o = acc_o(r);
+      const auto va = set1(Tag(), alpha);
+      const Index dv_vec = Dv_ / L * L;
+      for (Index d = 0; d < dv_vec; d += L) store(Tag(), o + d, mul(load(Tag(), o + d), va));
+      for (Index d = dv_vec; d < Dv_; ++d) o[d] *= alpha;
+    }
+    row_sum_[r] += sum;
+    row_max_[r] = new_max;
+  }
+
+  /// Row r's output in acc_o(r): acc_o / row_sum (one division per row); zeros for a row that saw no key, NaN for
+  /// a row with NaN among its visible scores. Returns its lse in base e: row_max·ln 2 + log(row_sum) in base 2
+  /// (in double, so that the conversion adds no rounding beyond the final one), −∞ or NaN in those two cases.
+  float finalize(Index r) noexcept {
+    constexpr double kLn2 = 0.69314718055994530942;
+    float* o = acc_o(r);
+    if (row_nan_[r]) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (Index d = 0; d < Dv_; ++d) o[d] = nan;
+      return nan;
+    }
+    if (row_sum_[r] == 0.0f) {
+      for (Index d = 0; d < Dv_; ++d) o[d] = 0.0f;
+      return -std::numeric_limits<float>::infinity();
+    }
+    const float inverse = 1.0f / row_sum_[r];
+    for (Index d = 0; d < Dv_; ++d) o[d] *= inverse;
+    if constexpr (kBase2) {
+      return static_cast<float>(double(row_max_[r]) * kLn2 + std::log(double(row_sum_[r])));
+    } else {
+      return row_max_[r] + std::log(row_sum_[r]);
+    }
+  }
+
+ private:
+  float* row_max_;
+  float* row_sum_;
+  char* row_nan_;
+  float* acc_o_;
+  Index Dv_;
+};
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv

@@ -1,0 +1,140 @@
+// qkv/detail/pack.hpp — K and V of a prefill sequence, copied once per (sequence, kv head) into the layouts the
+// prefill micro-kernels stream (prefill_kernels.hpp).
+//
+//   K: panels of kPanel = 2·lanes keys, [panel][d][key], the last panel zero-padded;
+//   V: chunks of 2·lanes columns, [chunk][key][2·lanes], the last chunk's columns past Dv zero-padded.
+//
+// Decoding sequences are not packed (decode_kernels.hpp reads K and V in place).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "qkv/config.hpp"
+#include "qkv/detail/aligned_buffer.hpp"
+#include "qkv/detail/attention_shape.hpp"
+#include "qkv/detail/fused_tiles.hpp"
+#include "qkv/detail/threads.hpp"
+#include "qkv/tensor_view.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+
+/// Packs the first `skv` keys of k (rows of D floats, `ld` apart) into panels of kPanel keys laid out
+/// [panel][d][key], zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out: they make a
+/// score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base (query_block.hpp,
+/// base2_fits).
+template <class Tag>
+float pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noexcept {
+  constexpr int kPanel = FusedTiles<Tag>::kPanel;
+  const Index panels = (skv + kPanel - 1) / kPanel;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float abs_max = 0.0f;
+  for (Index p = 0; p < panels; ++p) {
+    float* dst = packed + p * D * kPanel;
+    const Index keys = std::min<Index>(kPanel, skv - p * kPanel);
+    for (Index j = 0; j < kPanel; ++j) {
+      if (j < keys) {
+        const float* src = k + (p * kPanel + j) * ld;
+        for (Index d = 0; d < D; ++d) {
+          dst[d * kPanel + j] = src[d];
+          const float a = std::fabs(src[d]);
+          abs_max = std::max(abs_max, a < kInf ? a : 0.0f);
+        }
+      } else {
+        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = 0.0f;
+      }
+    }
+  }
+  return abs_max;
+}
+
+/// Packs the first `skv` values (rows of Dv floats, `ld` apart) into column chunks of 2·lanes laid out
+/// [chunk][key][2·lanes], zero-padding the last chunk's columns past Dv: P·V then streams each chunk of a tile as one
+/// contiguous block (V read in place crosses a 4 KiB page every few keys, where the hardware prefetchers stop).
+template <class Tag>
+void pack_values(const float* v, Index ld, Index skv, Index Dv, float* packed) noexcept {
+  constexpr Index kChunk = FusedTiles<Tag>::kChunk;
+  for (Index c = 0; c < Dv; c += kChunk) {
+    const Index width = std::min(kChunk, Dv - c);
+    float* dst = packed + c * skv;
+    for (Index j = 0; j < skv; ++j) {
+      const float* src = v + j * ld + c;
+      for (Index d = 0; d < width; ++d) dst[j * kChunk + d] = src[d];
+      for (Index d = width; d < kChunk; ++d) dst[j * kChunk + d] = 0.0f;
+    }
+  }
+}
+
+/// K and V of every prefill sequence of a call, packed once per (sequence, kv head) with the largest finite |k| of
+/// each (the bound base2_fits needs); the prefill tasks read them, decoding sequences (`decode[b]` set) are skipped.
+/// With OpenMP, (sequence, kv head) pairs are shared among threads when the copy is large enough to pay for a team.
+template <class Tag>
+class PackedKV {
+ public:
+  static constexpr int kPanel = FusedTiles<Tag>::kPanel;
+  static constexpr int kChunk = FusedTiles<Tag>::kChunk;
+
+  void pack(const AttentionShape& shape, const TensorView4<const float>& k, const TensorView4<const float>& v,
+            const std::vector<char>& decode) {
+    Hkv_ = shape.Hkv;
+    const Index n = shape.n_sequences * shape.Hkv;
+    key_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
+    value_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
+    key_abs_max_.assign(static_cast<std::size_t>(n), 0.0f);
+    for (Index b = 0; b < shape.n_sequences; ++b) {
+      const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
+      const bool skip = decode[static_cast<std::size_t>(b)] != 0;
+      const Index floats = skip ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape.D;
+      const Index value_floats = skip ? 0 : skv * ((shape.Dv + kChunk - 1) / kChunk * kChunk);
+      for (Index h = 0; h < shape.Hkv; ++h) {
+        key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + floats;
+        value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + value_floats;
+      }
+    }
+    keys_.resize(static_cast<std::size_t>(std::max<Index>(1, key_offset_.back())));
+    values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_offset_.back())));
+#if defined(_OPENMP)
+#pragma omp parallel if (n > 1 && key_offset_.back() > (Index(1) << 16) && may_open_team())
+#endif
+    {
+      observe_team();
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (Index task = 0; task < n; ++task) {
+        const Index b = task / shape.Hkv, h_kv = task % shape.Hkv;
+        const std::size_t s = static_cast<std::size_t>(b);
+        const Index skv = shape.key_counts[s];
+        if (skv == 0 || shape.q_rows[s].length == 0 || decode[s]) continue;
+        const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
+        key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
+                                                      keys_.data() + key_offset_[index(b, h_kv)]);
+        if (shape.Dv > 0) {
+          pack_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
+                           values_.data() + value_offset_[index(b, h_kv)]);
+        }
+      }
+    }
+  }
+
+  /// The packed K panels, the packed V chunks and the largest finite |k| of sequence b's kv head h_kv.
+  const float* keys(Index b, Index h_kv) const noexcept { return keys_.data() + key_offset_[index(b, h_kv)]; }
+  const float* values(Index b, Index h_kv) const noexcept { return values_.data() + value_offset_[index(b, h_kv)]; }
+  float key_abs_max(Index b, Index h_kv) const noexcept { return key_abs_max_[index(b, h_kv)]; }
+
+ private:
+  std::size_t index(Index b, Index h_kv) const noexcept { return static_cast<std::size_t>(b * Hkv_ + h_kv); }
+
+  Index Hkv_ = 0;
+  AlignedBuffer keys_, values_;
+  std::vector<Index> key_offset_, value_offset_;
+  std::vector<float> key_abs_max_;
+};
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv

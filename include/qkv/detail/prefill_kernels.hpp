@@ -1,0 +1,106 @@
+// qkv/detail/prefill_kernels.hpp — the prefill micro-kernels: Q·Kᵀ over packed key panels and P·V over packed
+// value chunks, kStrip query rows at a time with every accumulator in registers.
+//
+// Per strip of R ≤ kStrip rows (fused_tiles.hpp) and panel of 2·lanes keys, qk_panel holds R × 2 vectors of scores;
+// per chunk of 2·lanes Dv columns, pv_chunk holds R × 2 vectors of acc_o. Both read one packed stream (pack.hpp)
+// front to back and broadcast the other operand.
+#pragma once
+
+#include <algorithm>
+
+#include "qkv/config.hpp"
+#include "qkv/detail/fused_tiles.hpp"
+#include "qkv/simd/simd.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+
+/// c[r][0 .. 2·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. 2·lanes) for R rows (R ≤ kStrip),
+/// n steps of k: the prefill micro-kernel. 2R accumulators stay in registers; each step loads two vectors of b and
+/// broadcasts one a per row. Q·Kᵀ is this over a packed key panel (qk_panel) and P·V over a packed value chunk
+/// (pv_chunk). Kept apart from the tail kernel below: with both in one function clang spilled an accumulator of the
+/// full-width loop to the stack.
+template <class Tag, int R, bool kAccumulate>
+inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c,
+                              Index ldc) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  typename Tag::Vec acc[R][2];
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    acc[r][0] = kAccumulate ? load(Tag(), c + r * ldc) : zero(Tag());
+    acc[r][1] = kAccumulate ? load(Tag(), c + r * ldc + L) : zero(Tag());
+  }
+  for (Index k = 0; k < n; ++k) {
+    const auto b0 = load(Tag(), b + k * ldb);
+    const auto b1 = load(Tag(), b + k * ldb + L);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      const auto ab = set1(Tag(), a[r * lda + k]);
+      acc[r][0] = fmadd(ab, b0, acc[r][0]);
+      acc[r][1] = fmadd(ab, b1, acc[r][1]);
+    }
+  }
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    store(Tag(), c + r * ldc, acc[r][0]);
+    store(Tag(), c + r * ldc + L, acc[r][1]);
+  }
+}
+
+/// acc_s[r][0 .. kPanel) = Σ_d q[r][d] · panel[d][0 .. kPanel) for R rows: the scores of one packed key panel.
+template <class Tag, int R>
+inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, float* s, Index lds) noexcept {
+  strip_times_panel<Tag, R, false>(q, ldq, panel, FusedTiles<Tag>::kPanel, D, s, lds);
+}
+
+/// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk.
+template <class Tag, int R>
+inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo) noexcept {
+  strip_times_panel<Tag, R, true>(p, ldp, v, ldv, keys, o, ldo);
+}
+
+/// pv_chunk for the last `width` < 2·lanes columns of Dv: masked loads and stores, nothing past the row is touched.
+template <class Tag, int R>
+inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                          int width) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  typename Tag::Vec acc[R][2];
+  const int n0 = std::min(width, L), n1 = std::max(0, width - L);
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    acc[r][0] = load_partial(Tag(), o + r * ldo, n0);
+    acc[r][1] = load_partial(Tag(), o + r * ldo + L, n1);
+  }
+  for (Index j = 0; j < keys; ++j) {
+    const auto v0 = load_partial(Tag(), v + j * ldv, n0);
+    const auto v1 = load_partial(Tag(), v + j * ldv + L, n1);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      const auto pb = set1(Tag(), p[r * ldp + j]);
+      acc[r][0] = fmadd(pb, v0, acc[r][0]);
+      acc[r][1] = fmadd(pb, v1, acc[r][1]);
+    }
+  }
+  QKV_UNROLL for (int r = 0; r < R; ++r) {
+    store_partial(Tag(), o + r * ldo, acc[r][0], n0);
+    store_partial(Tag(), o + r * ldo + L, acc[r][1], n1);
+  }
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
+/// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of 2·lanes
+/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail.
+template <class Tag, int R>
+inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
+                     Index Dv) noexcept {
+  constexpr Index kChunk = FusedTiles<Tag>::kChunk;
+  const Index full = Dv / kChunk * kChunk;
+  for (Index c = 0; c < full; c += kChunk)
+    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
+  if (full < Dv) {
+    pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
+                          static_cast<int>(Dv - full));
+  }
+}
+
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv
