@@ -3,8 +3,8 @@
 //
 // attention.hpp builds these after validation, and both backends read them: the mask and score rules (MaskRules:
 // the scale resolved once, softcap, index rules, `allowed`, `bias`, ALiBi), scale·log2 e for the base-2 softmax,
-// and the sinks. Every later option (16-bit K/V, dropout, global positions) is meant to arrive here too, so no
-// kernel reads AttentionOptions.
+// and the sinks. Every later option (16-bit K/V, dropout, global positions) is meant to arrive here too, so that no
+// kernel reads the user's options struct.
 #pragma once
 
 #include <limits>
