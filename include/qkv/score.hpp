@@ -27,6 +27,10 @@ inline namespace QKV_ISA_NAME {
 /// The finishing steps of one (sequence, query head) after the scale: softcap, then bias and ALiBi. Row i of the
 /// head's bias starts at bias + i·bias_row_stride (stride 0 when the Sq axis broadcasts); ALiBi measures the
 /// distance to query i's causal diagonal, which the caller passes (mask.hpp, MaskGeometry::diag).
+/// Units: scores in natural-log units (the softmax's exponent, before any base-2 conversion). Throws nothing;
+/// O(1) per score; no allocation. Values are validated by qkv::attention (finite softcap ≥ 0, finite slopes).
+/// Source: softcap as Gemma 2 and FlashAttention 2 (`softcap`); bias as PyTorch's float `attn_mask`; ALiBi as
+/// Press et al. 2022 (and FlashAttention's `alibi_slopes`, measured from the bottom-right diagonal).
 template <class T>
 struct ScoreFinish {
   T softcap = T(0);         ///< 0 = off
