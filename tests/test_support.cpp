@@ -44,11 +44,14 @@ std::optional<std::pair<std::array<Index, 4>, std::vector<double>>> mask_values(
 template <class T>
 auto fields(const qkv::AttentionOptions<T>& o) {
   const auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-               alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend] = o;
+               alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage, bias_storage] = o;
+  // The storage fields are not values of the call: they keep `allowed` and `bias` alive, whose values are compared.
+  // Whether they are set is part of the tuple (from_brute leaves them null: its storage is OwnedOptions').
   return std::make_tuple(scale ? std::optional<double>(*scale) : std::nullopt, static_cast<double>(softcap), causal,
                          alignment, window_left, window_right, global_tokens, key_lengths, mask_values(allowed),
                          mask_values(bias), std::vector<double>(alibi_slopes.begin(), alibi_slopes.end()),
-                         std::vector<double>(sinks.begin(), sinks.end()), cu_seqlens_q, cu_seqlens_k, backend);
+                         std::vector<double>(sinks.begin(), sinks.end()), cu_seqlens_q, cu_seqlens_k, backend,
+                         allowed_storage != nullptr, bias_storage != nullptr);
 }
 
 TEST(Options, EveryFieldSurvivesToBruteAndBack) {
@@ -88,6 +91,26 @@ TEST(Options, EveryFieldSurvivesToBruteAndBack) {
   qkv_test::OwnedOptions<double> moved = qkv_test::from_brute<double>(p, o.backend);
   const qkv_test::OwnedOptions<double> target = std::move(moved);
   EXPECT_EQ(fields(target.options), fields(o));
+}
+
+TEST(Options, OwnedMasksConvertByValueAndComeBackAsViews) {
+  // Options that own their mask and bias (set_allowed / set_bias) convert as views do: the values are copied into
+  // brute::Params, and from_brute gives views into OwnedOptions' storage with null storage fields.
+  std::vector<float> bias_data(12);
+  for (std::size_t n = 0; n < bias_data.size(); ++n) bias_data[n] = 0.5f * float(n) - 2.0f;
+  qkv::Matrix<bool> mask(3, 4);
+  mask << true, false, true, true, false, true, true, false, true, true, false, true;
+  qkv::AttentionOptions<float> o;
+  o.set_allowed(mask).set_bias(Eigen::Map<const qkv::Matrix<float>>(bias_data.data(), 3, 4));
+  o.causal = true;
+  qkv::AttentionOptions<float> as_views = o;
+  as_views.allowed_storage = nullptr;
+  as_views.bias_storage = nullptr;
+  const brute::Params p = qkv_test::to_brute(o, {1, 1, 1, 3, 4, 2, 2});
+  EXPECT_EQ(p.allowed->data, (std::vector<char>{1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1}));
+  EXPECT_EQ(p.bias->at(0, 0, 2, 3), double(bias_data[11]));
+  EXPECT_EQ(fields(qkv_test::from_brute<float>(p).options), fields(as_views));
+  EXPECT_NE(fields(as_views), fields(o));  // the storage fields are in the tuple
 }
 
 TEST(Options, DefaultsStayDefaultsAndEmptyMasksStaySet) {

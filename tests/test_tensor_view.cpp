@@ -1,5 +1,6 @@
-// Tests of qkv/tensor_view.hpp: strides of the contiguous, BSHD and Eigen-built views, const conversion,
-// what must not compile (column-major and temporary Eigen objects), and the zero-copy slice.
+// Tests of qkv/tensor_view.hpp: strides of the contiguous, BSHD and Eigen-built views (matrices, arrays, maps),
+// const conversion and the zero-copy slice. What must not compile (column-major, expression, temporary Eigen
+// objects) is checked with its message by the compile-fail tests (tests/compile_fail_views.cpp).
 #include <gtest/gtest.h>
 
 #include <type_traits>
@@ -45,10 +46,35 @@ TEST(TensorView, FromRowMajorEigenLvalue) {
   a << true, false, false, true;
   TensorView4<const bool> b = a;
   EXPECT_FALSE(b(0, 0, 0, 1));
-  // Column-major objects have innermost stride ≠ 1 and do not convert; temporaries would dangle and do not either.
-  static_assert(!std::is_convertible_v<const Eigen::MatrixXf&, TensorView4<const float>>, "column-major");
-  static_assert(!std::is_constructible_v<TensorView4<const float>, qkv::Matrix<float>&&>, "temporary");
   static_assert(std::is_constructible_v<TensorView4<const float>, const qkv::Matrix<float>&>, "lvalue");
+  static_assert(std::is_convertible_v<qkv::Matrix<float>&, TensorView4<float>>, "mutable lvalue");
+  // Column-major objects (innermost stride ≠ 1), expressions, temporaries (the view would dangle), another scalar
+  // type and const data for a mutable view are chosen by a constructor whose body is a static_assert with a
+  // sentence ("a view needs a row-major lvalue; ..."), so they fail to compile with that sentence instead of "no
+  // match for operator=". Traits cannot see a static_assert in a body: the compile-fail tests
+  // (tests/compile_fail_views.cpp, ctest compile_fail_view_*) check those cases and their messages.
+}
+
+TEST(TensorView, FromRowMajorEigenMap) {
+  // A Map owns nothing, so a temporary Map binds; the view takes the Map's outer stride.
+  std::vector<float> data(3 * 7);
+  for (std::size_t n = 0; n < data.size(); ++n) data[n] = static_cast<float>(n);
+  using Strided = Eigen::Map<const qkv::Matrix<float>, Eigen::Unaligned, Eigen::OuterStride<>>;
+  const TensorView4<const float> v = Strided(data.data() + 1, 3, 4, Eigen::OuterStride<>(7));
+  EXPECT_EQ(v.extents(), (TensorView4<float>::Extents{1, 1, 3, 4}));
+  EXPECT_EQ(v.stride(2), 7);
+  EXPECT_EQ(v.stride(3), 1);
+  EXPECT_EQ(v(0, 0, 2, 3), 2 * 7 + 1 + 3);
+  EXPECT_EQ(v.data(), data.data() + 1);
+  // A mutable Map gives a mutable view of the same memory, contiguous by default.
+  TensorView4<float> w = Eigen::Map<qkv::Matrix<float>>(data.data(), 3, 7);
+  w(0, 0, 1, 2) = -1.0f;
+  EXPECT_EQ(data[7 + 2], -1.0f);
+  EXPECT_EQ(w.stride(2), 7);
+  // A one-row matrix is a [1, 1, 1, Skv] view (a mask broadcast over the queries).
+  const Eigen::Matrix<bool, 1, Eigen::Dynamic> row = Eigen::Matrix<bool, 1, Eigen::Dynamic>::Constant(5, true);
+  const TensorView4<const bool> r = row;
+  EXPECT_EQ(r.extents(), (TensorView4<bool>::Extents{1, 1, 1, 5}));
 }
 
 TEST(TensorView, SliceIsAZeroCopyMap) {

@@ -1,7 +1,10 @@
 // qkv/options.hpp — what an attention call computes besides softmax(q·kᵀ·scale)·v: masks, biases, backend.
 #pragma once
 
+#include <memory>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "qkv/config.hpp"
@@ -88,11 +91,15 @@ struct AttentionOptions {
   /// Boolean mask, true = may attend, of extents [B or 1, Hq or 1, Sq or 1, Skv]; an extent-1 axis
   /// broadcasts. Note PyTorch's boolean `key_padding_mask` / `attn_mask` of nn.MultiheadAttention mean the
   /// opposite (true = masked); `scaled_dot_product_attention`'s boolean `attn_mask` means the same.
-  /// Empty = none. Built implicitly from a row-major Eigen bool matrix or array lvalue ([1, 1, Sq, Skv]).
+  /// Empty = none. A view: built implicitly from a row-major Eigen bool matrix or array lvalue or a row-major
+  /// Eigen::Map ([1, 1, Sq, Skv]), zero-copy, and the caller keeps that memory alive while the options are used.
+  /// Column-major objects, expressions and temporaries fail to compile with a sentence saying so; to let the
+  /// options own the mask (and return them from a function), use `set_allowed`.
   TensorView4<const bool> allowed;
 
   /// Additive bias on the scores, same extents and broadcasting as `allowed`; −∞ hides the key. Empty = none.
-  /// Built implicitly from a row-major Eigen matrix lvalue of T ([1, 1, Sq, Skv]).
+  /// A view, built implicitly from a row-major Eigen matrix lvalue of T or a row-major Eigen::Map
+  /// ([1, 1, Sq, Skv]), as `allowed` is; to let the options own the bias, use `set_bias`.
   TensorView4<const T> bias;
 
   /// ALiBi: one slope per query head; adds −slope_h·|diag(i) − j| to visible scores (computed from the
@@ -113,6 +120,89 @@ struct AttentionOptions {
 
   /// Which implementation computes the call.
   Backend backend = Backend::automatic;
+
+  /// What keeps the memory of `allowed` and of `bias` alive: null for a plain view (the caller owns the memory),
+  /// else shared ownership of it, set by `set_allowed` / `set_bias` (PyTorch's model: a tensor is a view over a
+  /// reference-counted storage). Copying the options shares the storage (no copy of the data), so a copy stays
+  /// valid after the original and the data it was built from are gone; the memory is freed with the last copy.
+  /// Not semantic: the call reads only the views. Assigning a view to `allowed` or `bias` directly leaves its
+  /// storage as it was (it is then only kept, never read); the `set_` functions replace both together.
+  std::shared_ptr<const void> allowed_storage;
+  std::shared_ptr<const void> bias_storage;
+
+  /// Lets the options own a Sq × Skv mask (true = may attend), viewed as `allowed` [1, 1, Sq, Skv]: the options
+  /// can then be copied, stored and returned from the function that built the mask.
+  ///
+  ///     qkv::AttentionOptions<float> options_for(qkv::Index Sq, qkv::Index Skv) {
+  ///       qkv::AttentionOptions<float> options;
+  ///       qkv::Matrix<bool> mask = ...;             // local
+  ///       options.set_allowed(std::move(mask));     // moved in: no copy; the options now own it
+  ///       return options;                           // safe (a plain `options.allowed = mask` would dangle here)
+  ///     }
+  ///
+  /// `mask` is taken by value: an rvalue is moved in (O(1)); an lvalue, a column-major matrix, an Eigen::Array or
+  /// any expression of bools (e.g. `(scores.array() > 0)`) is copied into row-major storage (O(Sq·Skv)). One
+  /// allocation of the shared owner. Throws std::bad_alloc only; the extents are checked by the call, as for a
+  /// view (shape_error). Returns *this. Peer: PyTorch's `attn_mask` tensor, which the call holds by reference
+  /// count.
+  AttentionOptions& set_allowed(Matrix<bool> mask) {
+    auto owned = std::make_shared<const Matrix<bool>>(std::move(mask));
+    allowed = TensorView4<const bool>(*owned);
+    allowed_storage = std::move(owned);
+    return *this;
+  }
+
+  /// Lets the options own a Sq × Skv bias of T, viewed as `bias` [1, 1, Sq, Skv]; as `set_allowed(Matrix<bool>)`
+  /// (by value: moved in O(1), or copied in O(Sq·Skv) from an lvalue, a column-major matrix or an expression).
+  AttentionOptions& set_bias(Matrix<T> values) {
+    auto owned = std::make_shared<const Matrix<T>>(std::move(values));
+    bias = TensorView4<const T>(*owned);
+    bias_storage = std::move(owned);
+    return *this;
+  }
+
+  /// Any mask of extents [B or 1, Hq or 1, Sq or 1, Skv] together with what owns its memory: `view` becomes
+  /// `allowed` and `storage` its keep-alive (the aliasing idea of std::shared_ptr: `storage` may own a larger
+  /// object, e.g. a std::vector, a qkv::Matrix<bool> of B·Hq·Sq rows, or a buffer the view strides through).
+  /// O(1), no allocation, no throw. A null `storage` makes `allowed` a plain view again.
+  AttentionOptions& set_allowed(TensorView4<const bool> view, std::shared_ptr<const void> storage) noexcept {
+    allowed = view;
+    allowed_storage = std::move(storage);
+    return *this;
+  }
+
+  /// `bias` from a view of extents [B or 1, Hq or 1, Sq or 1, Skv] and what owns its memory; as `set_allowed`.
+  AttentionOptions& set_bias(TensorView4<const T> view, std::shared_ptr<const void> storage) noexcept {
+    bias = view;
+    bias_storage = std::move(storage);
+    return *this;
+  }
+
+  /// Shares ownership of an object that converts to a mask view, as a view-convertible lvalue does: a row-major
+  /// qkv::Matrix<bool> or Eigen::Array of bool held by a std::shared_ptr, shared between several options without
+  /// a copy. A null `owner` clears the mask (`allowed` empty, no storage). O(1), no allocation, no throw.
+  template <class Owner>
+  AttentionOptions& set_allowed(std::shared_ptr<Owner> owner) noexcept {
+    static_assert(std::is_convertible_v<const Owner&, TensorView4<const bool>>,
+                  "qkv::AttentionOptions::set_allowed: the shared object must convert to a TensorView4<const bool> "
+                  "(a row-major bool matrix or array)");
+    allowed = owner ? TensorView4<const bool>(*owner) : TensorView4<const bool>();
+    allowed_storage = std::move(owner);
+    return *this;
+  }
+
+  /// Shares ownership of an object that converts to a bias view: a row-major qkv::Matrix<T>, or a
+  /// qkv::PositionBias<T> ([1, H, Sq, Skv]) held by a std::shared_ptr. A null `owner` clears the bias. O(1), no
+  /// allocation, no throw.
+  template <class Owner>
+  AttentionOptions& set_bias(std::shared_ptr<Owner> owner) noexcept {
+    static_assert(std::is_convertible_v<const Owner&, TensorView4<const T>>,
+                  "qkv::AttentionOptions::set_bias: the shared object must convert to a TensorView4<const T> (a "
+                  "row-major matrix of T, or a qkv::PositionBias<T>)");
+    bias = owner ? TensorView4<const T>(*owner) : TensorView4<const T>();
+    bias_storage = std::move(owner);
+    return *this;
+  }
 };
 
 }  // namespace qkv

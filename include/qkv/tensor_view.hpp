@@ -10,6 +10,7 @@
 //   // the same as qkv::TensorView4<float>(buffer, {B, H, S, D}, {S * H * D, D, H * D, 1})
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <type_traits>
@@ -54,15 +55,18 @@ class TensorView {
   TensorView(const TensorView<U, Rank>& other) noexcept  // NOLINT(google-explicit-constructor)
       : data_(other.data()), extents_(other.extents()), strides_(other.strides()) {}
 
-  /// A row-major Eigen matrix or array lvalue (Rows × Cols) as a view of extents [1, …, 1, Rows, Cols].
-  /// Column-major objects do not convert (their innermost stride is not 1); temporaries do not either, since
-  /// the view would dangle (the overload taking an rvalue is deleted).
+  /// A row-major Eigen matrix or array lvalue (Rows × Cols) as a view of extents [1, …, 1, Rows, Cols], strides
+  /// [Rows·Cols, …, Rows·Cols, Cols, 1]: zero-copy, O(1). The view does not keep the object alive: the caller
+  /// does, for as long as the view is read (to let options own a mask or bias, see `AttentionOptions::set_bias`).
+  /// Every other Eigen object fails to compile with a sentence that says why and what to write instead (see the
+  /// rejecting constructors below): column-major objects (innermost stride not 1), expressions (no memory),
+  /// temporaries (the view would dangle), blocks, another scalar type, or const data for a mutable view.
   template <class Derived, class = std::enable_if_t<Rank >= 2 && Derived::IsRowMajor &&
                                                     std::is_same_v<typename Derived::Scalar, value_type> &&
                                                     std::is_const_v<T>>>
   TensorView(const Eigen::PlainObjectBase<Derived>& matrix) noexcept  // NOLINT(google-explicit-constructor)
       : TensorView(matrix.data(), matrix_extents(matrix.rows(), matrix.cols()),
-                   matrix_strides(matrix.rows(), matrix.cols())) {}
+                   matrix_strides(matrix.rows(), matrix.cols(), matrix.cols())) {}
 
   /// Mutable form of the constructor above, for views of non-const elements.
   template <class Derived, class = std::enable_if_t<Rank >= 2 && Derived::IsRowMajor &&
@@ -71,10 +75,40 @@ class TensorView {
             class = void>
   TensorView(Eigen::PlainObjectBase<Derived>& matrix) noexcept  // NOLINT(google-explicit-constructor)
       : TensorView(matrix.data(), matrix_extents(matrix.rows(), matrix.cols()),
-                   matrix_strides(matrix.rows(), matrix.cols())) {}
+                   matrix_strides(matrix.rows(), matrix.cols(), matrix.cols())) {}
 
+  /// A row-major `Eigen::Map` (Rows × Cols, innermost stride 1, any outer stride) as a view of extents
+  /// [1, …, 1, Rows, Cols] and row stride `map.outerStride()`: zero-copy, O(1). A Map owns nothing, so a
+  /// temporary Map binds too (e.g. `PositionBias::head(h)`); the mapped memory must outlive the view.
+  template <class Plain, int MapOptions, class Stride,
+            class = std::enable_if_t<Rank >= 2 && Plain::IsRowMajor &&
+                                     std::is_same_v<typename Plain::Scalar, value_type> &&
+                                     (Stride::InnerStrideAtCompileTime == 0 || Stride::InnerStrideAtCompileTime == 1) &&
+                                     (std::is_const_v<T> || !std::is_const_v<Plain>)>>
+  TensorView(Eigen::Map<Plain, MapOptions, Stride> map) noexcept  // NOLINT(google-explicit-constructor)
+      : TensorView(map.data(), matrix_extents(map.rows(), map.cols()),
+                   matrix_strides(map.rows(), map.cols(), map.outerStride())) {}
+
+  /// Rejects a temporary Eigen matrix or array at compile time: the view would point into memory freed at the
+  /// end of the statement (heap-use-after-free when the call reads it). Keep the object in a named variable, or
+  /// let the options own it: `options.set_bias(std::move(matrix))`.
   template <class Derived>
-  TensorView(const Eigen::PlainObjectBase<Derived>&& temporary) = delete;
+  TensorView(const Eigen::PlainObjectBase<Derived>&& temporary) {  // NOLINT(google-explicit-constructor)
+    static_assert(Rank < 2 || !std::is_same_v<Derived, Derived>,
+                  "qkv::TensorView: a view needs a row-major lvalue; this Eigen object is a temporary, destroyed "
+                  "before the call reads it: keep it in a named qkv::Matrix<T>, or move it into the options with "
+                  "options.set_allowed(std::move(m)) / options.set_bias(std::move(m))");
+    if constexpr (Rank < 2) reject_eigen<Derived>();
+    (void)temporary;
+  }
+
+  /// Rejects every other Eigen object at compile time with a sentence that says why, instead of the compiler's
+  /// "no match for operator=" (the diagnostics are listed in `reject_eigen`).
+  template <class Derived>
+  TensorView(const Eigen::EigenBase<Derived>& object) {  // NOLINT(google-explicit-constructor)
+    reject_eigen<Derived>();
+    (void)object;
+  }
 
   T* data() const noexcept { return data_; }
   const Extents& extents() const noexcept { return extents_; }
@@ -117,13 +151,82 @@ class TensorView {
     e[Rank - 1] = cols;
     return e;
   }
-  static Extents matrix_strides(Index rows, Index cols) noexcept {
+  static Extents matrix_strides(Index rows, Index cols, Index row_stride) noexcept {
     Extents s;
-    s.fill(rows * cols);
-    s[Rank - 2] = cols;
+    s.fill(rows * std::max(row_stride, cols));
+    s[Rank - 2] = row_stride;
     s[Rank - 1] = 1;
     return s;
   }
+
+  /// Why an Eigen object of type Derived does not bind to this view: one static_assert fires, the first whose
+  /// rule the object breaks, in this order.
+  template <class Derived>
+  static constexpr void reject_eigen() noexcept {
+    constexpr bool kDense = std::is_base_of_v<Eigen::DenseBase<Derived>, Derived>;
+    constexpr int kFlags = flags_of<Derived>();
+    constexpr bool kMemory = kDense && (kFlags & Eigen::DirectAccessBit) != 0;
+    constexpr bool kRowMajor = (kFlags & Eigen::RowMajorBit) != 0;
+    constexpr bool kPlain = std::is_base_of_v<Eigen::PlainObjectBase<Derived>, Derived>;
+    constexpr bool kMap = is_map<Derived>::value;
+    constexpr bool kUnitInner = !kMap || map_unit_inner<Derived>::value;
+    constexpr bool kSameScalar = same_scalar<Derived>();
+    static_assert(Rank >= 2,
+                  "qkv::TensorView: an Eigen object converts only to a view of rank 2 or more (extents "
+                  "[1, ..., 1, Rows, Cols]); describe other memory with TensorView(data, extents, strides)");
+    static_assert(Rank < 2 || kMemory,
+                  "qkv::TensorView: a view needs a row-major lvalue; this Eigen expression has no memory of its own "
+                  "to view: copy it into a qkv::Matrix<T> first (qkv::Matrix<T> m = expression;), or let the "
+                  "options own a copy with options.set_allowed(expression) / options.set_bias(expression)");
+    static_assert(Rank < 2 || !kMemory || kRowMajor,
+                  "qkv::TensorView: a view needs a row-major lvalue; this Eigen object is column-major (its innermost "
+                  "stride is not 1): copy it into a qkv::Matrix<T> first, or let the options own a copy with "
+                  "options.set_allowed(m) / options.set_bias(m)");
+    static_assert(Rank < 2 || !kMemory || !kRowMajor || kPlain || kMap,
+                  "qkv::TensorView: a view needs a row-major lvalue (a qkv::Matrix<T>, a row-major Eigen::Array or an "
+                  "Eigen::Map); a block, Ref or other view of an Eigen object does not bind: copy it into a "
+                  "qkv::Matrix<T> first, or describe its memory with TensorView(data, extents, strides)");
+    static_assert(Rank < 2 || !kMemory || !kRowMajor || !kMap || kUnitInner,
+                  "qkv::TensorView: a view needs a row-major lvalue with innermost stride 1; this Eigen::Map has "
+                  "another inner stride: copy it into a qkv::Matrix<T> first");
+    static_assert(Rank < 2 || !kMemory || !kRowMajor || !(kPlain || kMap) || !kUnitInner || kSameScalar,
+                  "qkv::TensorView: a view needs a row-major lvalue of its own element type (bool for "
+                  "options.allowed, T for options.bias); this Eigen object holds another scalar type: copy it into "
+                  "a qkv::Matrix of the element type first (qkv::Matrix<float> m = other.cast<float>();)");
+    static_assert(Rank < 2 || !kMemory || !kRowMajor || !(kPlain || kMap) || !kUnitInner || !kSameScalar ||
+                      std::is_const_v<T>,
+                  "qkv::TensorView: a view of mutable elements needs a mutable row-major lvalue; this Eigen object "
+                  "is const: bind it to a TensorView<const T>");
+  }
+
+  template <class Derived>
+  static constexpr int flags_of() noexcept {
+    if constexpr (std::is_base_of_v<Eigen::DenseBase<Derived>, Derived>) {
+      return Derived::Flags;
+    } else {
+      return 0;
+    }
+  }
+
+  template <class Derived>
+  static constexpr bool same_scalar() noexcept {
+    if constexpr (std::is_base_of_v<Eigen::DenseBase<Derived>, Derived>) {
+      return std::is_same_v<typename Derived::Scalar, value_type>;
+    } else {
+      return false;
+    }
+  }
+
+  template <class Derived>
+  struct is_map : std::false_type {};
+  template <class Plain, int MapOptions, class Stride>
+  struct is_map<Eigen::Map<Plain, MapOptions, Stride>> : std::true_type {};
+
+  template <class Derived>
+  struct map_unit_inner : std::false_type {};
+  template <class Plain, int MapOptions, class Stride>
+  struct map_unit_inner<Eigen::Map<Plain, MapOptions, Stride>>
+      : std::bool_constant<Stride::InnerStrideAtCompileTime == 0 || Stride::InnerStrideAtCompileTime == 1> {};
 
   T* data_ = nullptr;
   Extents extents_;

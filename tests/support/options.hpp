@@ -17,7 +17,8 @@
 namespace qkv_test {
 
 /// AttentionOptions<T> with its own storage for what `allowed` and `bias` point to, so that converted options outlive
-/// their source. Move-only: moving keeps the storage, and the views stay valid.
+/// their source. Move-only: moving keeps the storage, and the views stay valid. (The library's own owning form,
+/// AttentionOptions::set_allowed / set_bias, is not used here: a copy of `options` must not outlive `OwnedOptions`.)
 template <class T>
 struct OwnedOptions {
   qkv::AttentionOptions<T> options;
@@ -58,8 +59,10 @@ brute::Broadcast4<D> dense_copy(const qkv::TensorView4<E>& view) {
 template <class T>
 brute::Params to_brute(const qkv::AttentionOptions<T>& options, const brute::Shape& shape) {
   const auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-               alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend] = options;
-  (void)backend;  // not a semantic field
+               alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage, bias_storage] = options;
+  (void)backend;          // not a semantic field
+  (void)allowed_storage;  // not semantic either: what keeps `allowed` and `bias` alive; their values are copied
+  (void)bias_storage;
   brute::Params p;
   static_cast<brute::Shape&>(p) = shape;
   if (scale) p.scale = static_cast<double>(*scale);
@@ -85,7 +88,11 @@ template <class T>
 OwnedOptions<T> from_brute(const brute::Params& p, qkv::Backend backend = qkv::Backend::automatic) {
   OwnedOptions<T> owned;
   auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-         alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend_field] = owned.options;
+         alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend_field, allowed_storage, bias_storage] = owned.options;
+  // The dense copies live in `owned` (its views stay valid when it moves); the options' own storage stays null, so
+  // that copying `owned.options` out of `owned` is the caller's visible choice (see OwnedOptions).
+  allowed_storage = nullptr;
+  bias_storage = nullptr;
   if (p.scale) scale = static_cast<T>(*p.scale);
   softcap = static_cast<T>(p.softcap);
   causal = p.causal;
