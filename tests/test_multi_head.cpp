@@ -7,11 +7,14 @@
 //   - tests/fixtures/ppocr_v4_block1_attention.safetensors and the two .npy files: a real pretrained layer (PP-OCRv4)
 //     and PyTorch's output with its weights (scripts/make_ppocr_fixture.py);
 //   - float64 loops in this file (projections) around tests/brute_force.hpp (attention written from docs/design.md);
-//   - decoding with a KV cache against one causal pass (the equivalence docs/design.md promises).
+//   - decoding with a KV cache against one causal pass (the equivalence docs/design.md promises);
+//   - RoPE in the module (Config::rope): the whole module in float64 loops here, the rotation written from its formula
+//     (Hugging Face's rotate_half, RoFormer's complex product), never with qkv's own rotation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <complex>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -1084,6 +1087,279 @@ TEST(MultiHeadRealLayer, PreLayerNormSubBlock) {
   EXPECT_LE(block_error, 1e-5 * std::max(1.0, max_abs(expected)));
   std::cout << "[ real layer ] LayerNorm vs model: " << ln_error << ", block vs torch float64: " << block_error
             << " (max |block| = " << max_abs(expected) << ")\n";
+}
+
+// ---- RoPE in the module (Config::rope) ------------------------------------------------------------------------------
+//
+// Expected values: the whole module in float64 loops written here — the projections (`linear` above), RoPE from the
+// formula (Hugging Face's q·cos + rotate_half(q)·sin for rotate_half, a complex product for interleaved; never qkv's
+// rotation), softmax attention with GQA, the output projection.
+
+/// RoPE from the formula, in double, on packed heads M (T × H·D): row t has position first_position + t.
+///   rotate_half (Hugging Face Llama): x' = x·cos(φ) + rotate_half(x)·sin(φ), rotate_half(x) = [−x2, x1], with φ_d the
+///     angle of frequency d mod D/2 (Hugging Face's cos/sin are cat(freqs, freqs));
+///   interleaved (RoFormer, GPT-J, Meta Llama): (x_2i + i·x_2i+1) ← (x_2i + i·x_2i+1)·e^(i·φ_i).
+/// φ_i = (position / interpolation_factor)·(base·ntk_factor^(D/(D−2)))^(−2i/D) (Chen et al. 2023; bloc97 2023).
+Matrix<double> rope_by_formula(const Matrix<double>& M, Index H, Index D, Index first_position,
+                               const qkv::RopeOptions& rope) {
+  const Index half = D / 2;
+  const double base = rope.base * std::pow(rope.ntk_factor, static_cast<double>(D) / static_cast<double>(D - 2));
+  const auto angle = [&](Index position, Index i) {
+    const double theta = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+    return static_cast<double>(position) / rope.interpolation_factor * theta;
+  };
+  Matrix<double> out(M.rows(), M.cols());
+  for (Index t = 0; t < M.rows(); ++t)
+    for (Index h = 0; h < H; ++h) {
+      const auto x = [&](Index d) { return M(t, h * D + d); };
+      for (Index d = 0; d < D; ++d) {
+        if (rope.layout == qkv::RopeLayout::rotate_half) {
+          const double phi = angle(first_position + t, d % half);
+          const double rotated_half = d < half ? -x(d + half) : x(d - half);
+          out(t, h * D + d) = x(d) * std::cos(phi) + rotated_half * std::sin(phi);
+        } else {
+          const std::complex<double> z(x(d - d % 2), x(d - d % 2 + 1));
+          const std::complex<double> w = z * std::polar(1.0, angle(first_position + t, d / 2));
+          out(t, h * D + d) = d % 2 == 0 ? w.real() : w.imag();
+        }
+      }
+    }
+  return out;
+}
+
+/// softmax(Q_h·K_{h/G}ᵀ / √D)·V_{h/G} per query head h, G = Hq / Hkv, in double; causal: query i sees keys
+/// j ≤ i + Tk − Tq (bottom-right).
+Matrix<double> gqa_attention_loop(const Matrix<double>& Q, const Matrix<double>& K, const Matrix<double>& V, Index Hq,
+                                  Index Hkv, Index D, bool causal) {
+  const Index G = Hq / Hkv, Tq = Q.rows(), Tk = K.rows();
+  Matrix<double> O = Matrix<double>::Zero(Tq, Hq * D);
+  std::vector<double> scores(static_cast<std::size_t>(Tk));
+  for (Index h = 0; h < Hq; ++h)
+    for (Index i = 0; i < Tq; ++i) {
+      const Index h_kv = h / G, last = causal ? std::min(Tk - 1, i + Tk - Tq) : Tk - 1;
+      double max_score = -std::numeric_limits<double>::infinity();
+      for (Index j = 0; j <= last; ++j) {
+        double s = 0;
+        for (Index d = 0; d < D; ++d) s += Q(i, h * D + d) * K(j, h_kv * D + d);
+        scores[static_cast<std::size_t>(j)] = s / std::sqrt(static_cast<double>(D));
+        max_score = std::max(max_score, scores[static_cast<std::size_t>(j)]);
+      }
+      double sum = 0;
+      for (Index j = 0; j <= last; ++j) sum += std::exp(scores[static_cast<std::size_t>(j)] - max_score);
+      for (Index j = 0; j <= last; ++j) {
+        const double p = std::exp(scores[static_cast<std::size_t>(j)] - max_score) / sum;
+        for (Index d = 0; d < D; ++d) O(i, h * D + d) += p * V(j, h_kv * D + d);
+      }
+    }
+  return O;
+}
+
+/// The module with RoPE in float64 loops: queries at positions first_query_position + i, keys at first_key_position
+/// + j. `K_rotated`, when given, receives the rotated keys (what a KV cache must hold).
+Matrix<double> rope_module_loop(const Weights& w, const Matrix<double>& X_q, const Matrix<double>& X_kv, Index Hq,
+                                Index Hkv, Index D, const qkv::RopeOptions& rope, bool causal,
+                                Index first_query_position = 0, Index first_key_position = 0,
+                                Matrix<double>* K_rotated = nullptr) {
+  const Matrix<double> Q = rope_by_formula(linear(X_q, w.W_q, w.b_q), Hq, D, first_query_position, rope);
+  const Matrix<double> K = rope_by_formula(linear(X_kv, w.W_k, w.b_k), Hkv, D, first_key_position, rope);
+  if (K_rotated != nullptr) *K_rotated = K;
+  return linear(gqa_attention_loop(Q, K, linear(X_kv, w.W_v, w.b_v), Hq, Hkv, D, causal), w.W_o, w.b_o);
+}
+
+template <class T>
+typename qkv::MultiHeadAttention<T>::Config rope_config(Index d_model, Index n_heads, Index n_kv_heads, Index head_dim,
+                                                        const qkv::RopeOptions& rope, bool bias = true) {
+  auto c = make_config<T>(d_model, n_heads, n_kv_heads, head_dim);
+  c.bias = bias;
+  c.rope = rope;
+  return c;
+}
+
+qkv::RopeOptions rope_options(qkv::RopeLayout layout, double base = 10000.0, double interpolation_factor = 1.0,
+                              double ntk_factor = 1.0) {
+  qkv::RopeOptions rope;
+  rope.layout = layout;
+  rope.base = base;
+  rope.interpolation_factor = interpolation_factor;
+  rope.ntk_factor = ntk_factor;
+  return rope;
+}
+
+const char* layout_name(qkv::RopeLayout layout) {
+  return layout == qkv::RopeLayout::rotate_half ? "rotate_half" : "interleaved";
+}
+
+template <class T>
+struct MultiHeadRope : ::testing::Test {};
+TYPED_TEST_SUITE(MultiHeadRope, qkv_test::Scalars, );
+
+// (a) Self-attention (causal and not), cross-attention (Tq ≠ Tk) and attention_weights with RoPE, GQA 8/2 with biases,
+// both layouts, against the float64 loop; the scaling options (interpolation, NTK) too.
+TYPED_TEST(MultiHeadRope, EqualsFloat64LoopInBothLayouts) {
+  using T = TypeParam;
+  const Index d_model = 48, Hq = 8, Hkv = 2, D = 12;
+  for (const qkv::RopeOptions& rope :
+       {rope_options(qkv::RopeLayout::rotate_half), rope_options(qkv::RopeLayout::interleaved),
+        rope_options(qkv::RopeLayout::rotate_half, 500000.0, 4.0, 8.0),
+        rope_options(qkv::RopeLayout::interleaved, 100.0, 2.5, 3.0)}) {
+    SCOPED_TRACE(std::string(layout_name(rope.layout)) + " base " + scientific(rope.base));
+    const auto m = random_module<T>(rope_config<T>(d_model, Hq, Hkv, D, rope), 51);
+    ASSERT_TRUE(m.config().rope.has_value());
+    const Matrix<T> X = random_matrix<T>(23, d_model, 52), X_kv = random_matrix<T>(31, d_model, 53);
+    const Matrix<double> Xd = X.template cast<double>(), X_kvd = X_kv.template cast<double>();
+    const Weights w = weights_of(m);
+
+    const Matrix<double> expected = rope_module_loop(w, Xd, Xd, Hq, Hkv, D, rope, false);
+    EXPECT_LE(max_difference(m.forward(X), expected), tolerance<T>(max_abs(expected))) << "self";
+
+    qkv::AttentionOptions<T> causal;
+    causal.causal = true;
+    const Matrix<double> expected_causal = rope_module_loop(w, Xd, Xd, Hq, Hkv, D, rope, true);
+    EXPECT_LE(max_difference(m.forward(X, causal), expected_causal), tolerance<T>(max_abs(expected_causal)))
+        << "self, causal";
+
+    const Matrix<double> expected_cross = rope_module_loop(w, Xd, X_kvd, Hq, Hkv, D, rope, false);
+    EXPECT_LE(max_difference(m.forward(X, X_kv), expected_cross), tolerance<T>(max_abs(expected_cross))) << "cross";
+  }
+}
+
+// Without rope the module is unchanged (the loop with position 0 everywhere is the identity rotation), and with rope
+// the output differs: RoPE reaches the attention.
+TYPED_TEST(MultiHeadRope, UnsetMeansNoRotation) {
+  using T = TypeParam;
+  auto config = make_config<T>(32, 4, 2, 8);
+  EXPECT_FALSE(config.rope.has_value());
+  const auto plain = random_module<T>(config, 54);
+  config.rope = qkv::RopeOptions{};
+  auto rotary = qkv::MultiHeadAttention<T>(config);
+  rotary.W_q = plain.W_q, rotary.W_k = plain.W_k, rotary.W_v = plain.W_v, rotary.W_o = plain.W_o;
+  rotary.b_q = plain.b_q, rotary.b_k = plain.b_k, rotary.b_v = plain.b_v, rotary.b_o = plain.b_o;
+  const Matrix<T> X = random_matrix<T>(9, 32, 55);
+  const Matrix<double> Xd = X.template cast<double>();
+  const Matrix<double> with_rope = rope_module_loop(weights_of(plain), Xd, Xd, 4, 2, 8, qkv::RopeOptions{}, false);
+  EXPECT_LE(max_difference(rotary.forward(X), with_rope), tolerance<T>(max_abs(with_rope)));
+  EXPECT_GT(max_difference(plain.forward(X), with_rope), 100 * tolerance<T>(max_abs(with_rope)));
+  // A single token sits at position 0 for queries and keys alike: the rotation is the identity.
+  EXPECT_LE(max_difference(rotary.forward(X.topRows(1)), plain.forward(X.topRows(1)).template cast<double>()),
+            tolerance<T>(1.0));
+}
+
+// The weights of one head, for inspection, see the same rotated Q and K as forward; a varlen batch restarts the
+// positions at 0 in every sequence (each equals its own call).
+TYPED_TEST(MultiHeadRope, AttentionWeightsAndVarlen) {
+  using T = TypeParam;
+  const qkv::RopeOptions rope = rope_options(qkv::RopeLayout::rotate_half, 1000.0);
+  const auto m = random_module<T>(rope_config<T>(40, 4, 1, 10, rope), 56);
+  const Matrix<T> X = random_matrix<T>(11, 40, 57);
+  const Matrix<double> Xd = X.template cast<double>();
+  const Weights w = weights_of(m);
+  const Matrix<double> Q = rope_by_formula(linear(Xd, w.W_q, w.b_q), 4, 10, 0, rope);
+  const Matrix<double> K = rope_by_formula(linear(Xd, w.W_k, w.b_k), 1, 10, 0, rope);
+  const Index head = 3;
+  Matrix<double> expected = Q.middleCols(head * 10, 10) * K.transpose() / std::sqrt(10.0);  // head 3 reads kv head 0
+  for (Index i = 0; i < expected.rows(); ++i) {
+    expected.row(i) = (expected.row(i).array() - expected.row(i).maxCoeff()).exp().matrix();
+    expected.row(i) /= expected.row(i).sum();
+  }
+  EXPECT_LE(max_difference(m.attention_weights(X, X, head), expected), tolerance<T>(1.0));
+
+  const std::vector<Matrix<T>> sequences = {random_matrix<T>(7, 40, 58), random_matrix<T>(0, 40, 59),
+                                            random_matrix<T>(12, 40, 60)};
+  qkv::AttentionOptions<T> causal;
+  causal.causal = true;
+  const std::vector<Matrix<T>> outputs = m.forward(sequences, causal);
+  ASSERT_EQ(outputs.size(), sequences.size());
+  for (std::size_t b = 0; b < sequences.size(); ++b) {
+    const Matrix<double> Xb = sequences[b].template cast<double>();
+    const Matrix<double> expected_b = rope_module_loop(w, Xb, Xb, 4, 1, 10, rope, true);
+    EXPECT_LE(max_difference(outputs[b], expected_b), tolerance<T>(max_abs(expected_b))) << "sequence " << b;
+  }
+}
+
+// (b) Prefill then token-by-token decoding (and chunked prefill) with RoPE equals one causal pass, within
+// 1e-5·max(1, max|Y|) in float, for both layouts, GQA 8/2 and MQA, without biases (Llama).
+TEST(MultiHeadRopeDecode, PrefillThenDecodeEqualsOneCausalPass) {
+  for (const qkv::RopeLayout layout : {qkv::RopeLayout::rotate_half, qkv::RopeLayout::interleaved})
+    for (const Index n_kv_heads : {Index{2}, Index{1}}) {
+      SCOPED_TRACE(std::string(layout_name(layout)) + ", n_kv_heads " + std::to_string(n_kv_heads));
+      const auto m = random_module<float>(rope_config<float>(128, 8, n_kv_heads, 16, rope_options(layout), false), 61);
+      const Index T = 41;
+      const Matrix<float> X = random_matrix<float>(T, 128, 62);
+      qkv::AttentionOptions<float> causal;
+      causal.causal = true;
+      const Matrix<double> full = m.forward(X, causal).cast<double>();
+      const double bound = 1e-5 * std::max(1.0, max_abs(full));
+      const Matrix<float> prefill_then_decode = decode(m, X, {T - 9, 1});
+      ASSERT_TRUE(prefill_then_decode.allFinite());
+      EXPECT_LE(max_difference(prefill_then_decode, full), bound) << "prefill then decode";
+      EXPECT_LE(max_difference(decode(m, X, {1}), full), bound) << "token by token";
+      EXPECT_LE(max_difference(decode(m, X, {5, 1, 8, 3, 13}), full), bound) << "chunked prefill";
+    }
+}
+
+// (c) RoPE rotates pairs of features: an odd head_dim throws shape_error at construction, naming the module, rope and
+// the size (given or derived from d_model / n_heads); so do invalid RopeOptions. Without rope an odd head_dim is fine.
+TEST(MultiHeadRopeErrors, OddHeadDimAndBadOptions) {
+  using Module = qkv::MultiHeadAttention<float>;
+  const qkv::RopeOptions rope;
+  expect_shape_error([&] { Module m(rope_config<float>(40, 8, 2, 5, rope)); },
+                     {"qkv::MultiHeadAttention", "rope", "head_dim", "5", "even"});
+  expect_shape_error([&] { Module m(rope_config<float>(56, 8, 0, 0, rope)); },
+                     {"qkv::MultiHeadAttention", "rope", "head_dim", "7", "d_model / n_heads"});
+  for (const double bad :
+       {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    expect_shape_error(
+        [&] { Module m(rope_config<float>(32, 4, 2, 8, rope_options(qkv::RopeLayout::rotate_half, bad))); },
+        {"qkv::MultiHeadAttention", "Config::rope->base"});
+    expect_shape_error(
+        [&] { Module m(rope_config<float>(32, 4, 2, 8, rope_options(qkv::RopeLayout::rotate_half, 1e4, bad))); },
+        {"qkv::MultiHeadAttention", "Config::rope->interpolation_factor"});
+    expect_shape_error(
+        [&] { Module m(rope_config<float>(32, 4, 2, 8, rope_options(qkv::RopeLayout::rotate_half, 1e4, 1.0, bad))); },
+        {"qkv::MultiHeadAttention", "Config::rope->ntk_factor"});
+  }
+  EXPECT_NO_THROW(Module(make_config<float>(40, 8, 2, 5)));
+  EXPECT_NO_THROW(Module(rope_config<float>(32, 16, 4, 2, rope)));  // head_dim 2: one pair
+}
+
+// (d) Positions in cache decoding: a cache filled by a prefill of 9 tokens, then a chunk of 4, then one token at a
+// time; every output row equals the float64 loop over the whole sequence, and the cache holds each key rotated by
+// its absolute position. Decoding the chunk at positions 0 … 3 (forgetting the cache's length) would fail both.
+TEST(MultiHeadRopeDecode, PositionsContinueFromTheCacheLength) {
+  for (const qkv::RopeOptions& rope :
+       {rope_options(qkv::RopeLayout::rotate_half, 50.0), rope_options(qkv::RopeLayout::interleaved, 50.0, 2.0, 4.0)}) {
+    SCOPED_TRACE(layout_name(rope.layout));
+    const Index Hq = 6, Hkv = 3, D = 8, T = 24;
+    const auto m = random_module<float>(rope_config<float>(48, Hq, Hkv, D, rope), 63);
+    const Matrix<float> X = random_matrix<float>(T, 48, 64);
+    const Matrix<double> Xd = X.cast<double>();
+    Matrix<double> K_expected;
+    const Matrix<double> expected = rope_module_loop(weights_of(m), Xd, Xd, Hq, Hkv, D, rope, true, 0, 0, &K_expected);
+    const double bound = tolerance<float>(max_abs(expected));
+
+    auto cache = m.make_cache(T);
+    const Matrix<float> Y_prefill = m.forward(X.topRows(9), cache);
+    EXPECT_LE(max_difference(Y_prefill, expected.topRows(9)), bound) << "prefill";
+    const Matrix<float> Y_chunk = m.forward(X.middleRows(9, 4), cache);  // positions 9 … 12
+    EXPECT_LE(max_difference(Y_chunk, expected.middleRows(9, 4)), bound) << "chunk after a non-empty cache";
+    for (Index t = 13; t < T; ++t) {
+      const Matrix<float> Y_t = m.forward(X.row(t), cache);
+      EXPECT_LE(max_difference(Y_t, expected.middleRows(t, 1)), bound) << "token " << t;
+    }
+    ASSERT_EQ(cache.length(), T);
+    const auto keys = cache.keys();
+    double key_error = 0;
+    for (Index h = 0; h < Hkv; ++h)
+      for (Index j = 0; j < T; ++j)
+        for (Index d = 0; d < D; ++d)
+          key_error = std::max(key_error, std::abs(static_cast<double>(keys(0, h, j, d)) - K_expected(j, h * D + d)));
+    EXPECT_LE(key_error, tolerance<float>(max_abs(K_expected))) << "the cache holds keys rotated by their positions";
+
+    // After clear(), the next sequence starts again at position 0.
+    cache.clear();
+    const Matrix<float> Y_again = m.forward(X.topRows(5), cache);
+    EXPECT_LE(max_difference(Y_again, expected.topRows(5)), bound) << "after clear()";
+  }
 }
 
 TEST(MultiHeadFixtures, HostIsLittleEndian) { EXPECT_TRUE(little_endian()); }

@@ -6,6 +6,8 @@
 //     Q = X_q·W_q + b_q     (Tq × Hq·head_dim)       head h of Q is columns [h·head_dim, (h+1)·head_dim)
 //     K = X_k·W_k + b_k     (Tk × Hkv·head_dim)      K and V are computed once per kv head, never repeated
 //     V = X_v·W_v + b_v     (Tk × Hkv·head_dim)
+//     Q, K ← RoPE(Q), RoPE(K)                        only when Config::rope is set: each head of row t rotated by the
+//                                                    angles of its position (positional.hpp); V is never rotated
 //     O = attention(Q, K, V)                         (Tq × Hq·head_dim, heads side by side: the concatenation)
 //     Y = O·W_o + b_o       (Tq × d_model)
 //
@@ -40,6 +42,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -49,6 +52,7 @@
 #include "qkv/detail/validate.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/options.hpp"
+#include "qkv/positional.hpp"
 #include "qkv/sdpa.hpp"
 #include "qkv/tensor_view.hpp"
 
@@ -81,6 +85,8 @@ struct MultiHeadCoreObserver {
 /// [1, Hkv, length, head_dim] with strides {Hkv·capacity·head_dim, capacity·head_dim, head_dim, 1}.
 /// GQA / MQA: the cache holds n_kv_heads heads, not n_heads: a 32-query / 8-kv-head model stores a quarter of what
 /// multi-head attention would, and every query head of a group reads the same rows.
+/// RoPE: a module with `Config::rope` stores its keys already rotated (row j of each head by the angles of position
+/// j), as Hugging Face Llama and llama.cpp do, so cached keys are never rotated again.
 /// Edge cases: slots past `length()` are never read (they start as NaN, so a read would show); `clear()` keeps the
 /// memory and sets the length to 0; capacity 0 is allowed (nothing can be appended).
 /// Throws: `shape_error` from the constructor for a negative capacity or head_dim < 1 or n_kv_heads < 1; from
@@ -184,7 +190,8 @@ class KVCache {
 /// grouped-query (GQA) and multi-query (MQA) heads, varlen batches and incremental decoding with a `KVCache`:
 ///
 ///     Y = concat_h(softmax(Q_h·K_{h/G}ᵀ·scale + masks)·V_{h/G})·W_o + b_o,
-///     Q = X_q·W_q + b_q,  K = X_k·W_k + b_k,  V = X_v·W_v + b_v,   G = n_heads / n_kv_heads.
+///     Q = X_q·W_q + b_q,  K = X_k·W_k + b_k,  V = X_v·W_v + b_v,   G = n_heads / n_kv_heads,
+///     with Config::rope set:  Q_h ← R(pos_q)·Q_h,  K_h ← R(pos_k)·K_h   (rotary position embedding, per head).
 ///
 /// Shapes (rows are tokens; every weight is stored [in, out]):
 ///   W_q d_model × n_heads·head_dim,   W_k kdim × n_kv_heads·head_dim,   W_v vdim × n_kv_heads·head_dim,
@@ -194,6 +201,13 @@ class KVCache {
 /// GQA: query head h (columns [h·head_dim, (h+1)·head_dim) of Q) reads key/value head h / G; n_kv_heads = n_heads is
 ///   multi-head attention, 1 is multi-query attention. K and V are projected once per kv head and the G query heads
 ///   of a group read the same memory (no repeated copy, unlike PyTorch's repeat_interleave formulation).
+/// RoPE (Config::rope, unset = none): after the projections and their biases, every head of Q and K is rotated by
+///   `qkv::apply_rope`'s rule with the options given (layout, base, interpolation_factor, ntk_factor), V never. Row
+///   positions: 0 … T − 1 for the queries and, separately, for the keys of `forward(X)`, `forward(X_q, X_kv)` and
+///   `attention_weights` (Hugging Face Llama's position_ids = arange(T) for a prefill; with varlen each sequence
+///   starts again at 0); L … L + T_new − 1 for both the new queries and the new keys of `forward(X_new, cache)`,
+///   L = cache.length() before the call. Cached keys are stored rotated. A Llama layer is this module with
+///   `bias = false` and `rope` set (RMSNorm and the MLP stay outside it): examples/llama_decoder.cpp.
 /// Options: every field of `AttentionOptions` passes through to `qkv::attention` with B = 1 (`key_lengths` has one
 ///   entry; `allowed` and `bias` are [1, n_heads or 1, Tq or 1, Tk] views). Default scale 1/√head_dim, as PyTorch.
 ///   The default causal alignment is bottom-right, PyTorch's `is_causal` is top-left: they agree when Tq = Tk.
@@ -202,10 +216,11 @@ class KVCache {
 ///   their shapes (O(1)) and throws `shape_error` if a weight was assigned a wrong shape.
 /// Thread safety: the const members may run concurrently; changing weights while another thread runs a forward is a
 ///   data race.
-/// Example: examples/real_layer.cpp (a pretrained PP-OCRv4 layer); README.md, "Multi-head attention and KV-cache
-///   decoding" (a decode loop).
+/// Example: examples/real_layer.cpp (a pretrained PP-OCRv4 layer); examples/llama_decoder.cpp (a Llama-style layer
+///   with RoPE, prefill and decoding); README.md, "Multi-head attention and KV-cache decoding" (a decode loop).
 /// Source: Vaswani et al. 2017 §3.2.2; seed 002 §2.1, §3.3, §4.1, §4.3; seed 000 §2.4.6 (GQA / MQA); PyTorch's
-///   nn.MultiheadAttention; Ainslie et al. 2023 (GQA), Shazeer 2019 (MQA).
+///   nn.MultiheadAttention; Ainslie et al. 2023 (GQA), Shazeer 2019 (MQA); Su et al. 2021 (RoFormer) and Hugging Face
+///   transformers' Llama `apply_rotary_pos_emb` (RoPE in the module, `rotate_half`).
 template <class Scalar>
 class MultiHeadAttention {
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
@@ -218,6 +233,7 @@ class MultiHeadAttention {
   ///
   ///     qkv::MultiHeadAttention<float>::Config config;
   ///     config.d_model = 4096;  config.n_heads = 32;  config.n_kv_heads = 8;   // Llama-style GQA, head_dim 128
+  ///     config.bias = false;  config.rope = qkv::RopeOptions{};   // Llama: no biases, RoPE rotate_half, base 10000
   struct Config {
     Index d_model = 0;     ///< model width: the columns of X_q and of Y
     Index n_heads = 1;     ///< query heads, Hq
@@ -226,12 +242,17 @@ class MultiHeadAttention {
     Index kdim = 0;        ///< columns of the key input X_k; 0 = d_model (PyTorch's kdim, for cross-attention)
     Index vdim = 0;        ///< columns of the value input X_v; 0 = d_model (PyTorch's vdim)
     bool bias = true;      ///< whether b_q, b_k, b_v, b_o exist (PyTorch's bias)
+    /// Rotary position embedding of Q and K (see the class comment and `RopeOptions`); unset = none. Needs an even
+    /// head_dim. Llama 2 / 3: `RopeOptions{}` with base 10000 / 500000, layout rotate_half (Hugging Face checkpoints).
+    std::optional<RopeOptions> rope;
   };
 
   /// Builds the module with every weight and bias zero. `config()` then returns the resolved sizes (no 0 left).
   /// Throws shape_error when d_model < 1, n_heads < 1, n_kv_heads < 0 or not dividing n_heads, head_dim < 0, head_dim
-  /// = 0 with n_heads not dividing d_model, or kdim / vdim < 0. Allocates the four weight matrices.
-  explicit MultiHeadAttention(const Config& config) : config_(resolve(config)) {
+  /// = 0 with n_heads not dividing d_model, kdim / vdim < 0, or `rope` is set with an odd head_dim or an option of it
+  /// not finite and > 0. Allocates the four weight matrices (and the head_dim / 2 RoPE frequencies, computed once).
+  explicit MultiHeadAttention(const Config& config)
+      : config_(resolve(config)), rope_frequencies_(resolve_rope_frequencies(config_)) {
     const Index q_out = config_.n_heads * config_.head_dim, kv_out = config_.n_kv_heads * config_.head_dim;
     const Index bias_q = config_.bias ? q_out : 0, bias_kv = config_.bias ? kv_out : 0;
     W_q = Matrix<Scalar>::Zero(config_.d_model, q_out);
@@ -372,6 +393,9 @@ class MultiHeadAttention {
   /// entries from 0 to T) and X holds the sequences one after another; sequence b is rows [cu[b], cu[b+1]) and never
   /// sees another sequence. The projections are row-wise, so the concatenation is projected in one product and
   /// nothing is padded. `forward(sequences, options)` below does the concatenation for a list.
+  /// RoPE (Config::rope): row t of Q and of K is rotated by the angles of position t (of position t − cu[b] in
+  /// sequence b of a varlen batch), as Hugging Face Llama's prefill; O(T·(Hq + Hkv)·head_dim) more, plus
+  /// O(T·head_dim) cos/sin.
   /// Edge cases: T = 0 gives a 0 × d_model result; a row that sees no key (masks) gets Y = b_o.
   /// Throws: shape_error when X does not have d_model columns, a weight has the wrong shape, the cu_seqlens do not
   /// start at 0, decrease, or do not end at T, or for anything `qkv::attention` rejects; unsupported_error as the core.
@@ -389,8 +413,9 @@ class MultiHeadAttention {
 
   /// Cross-attention: queries from X_q (Tq × d_model), keys and values from one sequence X_kv (Tk × kdim, with
   /// kdim = vdim), as a decoder attends to an encoder's output. Y is Tq × d_model. Varlen: cu_seqlens_q over the rows
-  /// of X_q, cu_seqlens_k over the rows of X_kv. Throws, complexity and edge cases as the self-attention form (Tk = 0
-  /// gives Y rows equal to b_o).
+  /// of X_q, cu_seqlens_k over the rows of X_kv. RoPE (Config::rope): queries at positions 0 … Tq − 1, keys at
+  /// 0 … Tk − 1, each sequence from its own start (for new queries placed after cached keys, use the `KVCache` form).
+  /// Throws, complexity and edge cases as the self-attention form (Tk = 0 gives Y rows equal to b_o).
   /// Source: PyTorch nn.MultiheadAttention(query = X_q, key = value = X_kv); seed 002 §2.1 (cross attention).
   template <class DQ, class DKV>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DKV>& X_kv,
@@ -450,15 +475,20 @@ class MultiHeadAttention {
   /// whatever `options.causal` and `options.alignment` say (the other options apply: window, ALiBi, softcap, sinks,
   /// scale, key_lengths ≤ L, `allowed` / `bias` of extents [1, Hq or 1, T_new or 1, L]). Feeding a sequence token by
   /// token, or in chunks (chunked prefill), gives the rows of one causal `forward(X, options)` over the whole sequence,
-  /// within 1e-5·max(1, max|Y|) in float (tested for MHA, GQA 32/8 and MQA).
+  /// within 1e-5·max(1, max|Y|) in float (tested for MHA, GQA 32/8 and MQA, with and without RoPE).
+  /// RoPE (Config::rope): the new queries and the new keys are rotated by the angles of positions L − T_new … L − 1,
+  /// i.e. from the cache's length before the call onwards (Hugging Face Llama's cache_position, llama.cpp's n_past),
+  /// and the keys are appended rotated; the cached keys are not touched again. Positions come from the cache alone,
+  /// so a cache holds one sequence from its first token (`clear()` starts the next one at position 0).
   /// Shapes: cache of n_kv_heads() heads of head_dim() (e.g. `make_cache(capacity)`); Y is T_new × d_model.
   /// Precondition: kdim = vdim = d_model (K and V come from X_new).
   /// Edge cases: slots past the cache's length are never read; T_new = 0 appends nothing and returns 0 × d_model.
   /// Throws: shape_error when X_new does not have d_model columns, the cache's heads or head_dim differ from the
   /// module's, length + T_new exceeds the capacity (the cache is left unchanged), or as `qkv::attention` (the append is
   /// then undone).
-  /// Complexity: O(T_new·d_model·(Hq + 2·Hkv)·head_dim) projections + O(Hq·T_new·L·head_dim) attention; the cache is
-  /// read in place (no copy of the past keys); allocates O(T_new·d_model).
+  /// Complexity: O(T_new·d_model·(Hq + 2·Hkv)·head_dim) projections + O(Hq·T_new·L·head_dim) attention (+ with RoPE
+  /// O(T_new·(Hq + Hkv)·head_dim) rotations and O(T_new·head_dim) cos/sin); the cache is read in place (no copy of the
+  /// past keys); allocates O(T_new·d_model).
   /// Thread safety: needs exclusive access to `cache`; distinct caches may run concurrently on one module.
   /// Example:
   ///
@@ -480,9 +510,12 @@ class MultiHeadAttention {
                         " features, expected n_kv_heads ", config_.n_kv_heads, " of head_dim ", config_.head_dim);
     cache.check_room(function, X_new.rows());
 
-    const Matrix<Scalar> Q = project(X_new.derived(), W_q, b_q);
     const Index old_length = cache.length();
-    cache.append(project(X_new.derived(), W_k, b_k), project(X_new.derived(), W_v, b_v));
+    Matrix<Scalar> Q = project(X_new.derived(), W_q, b_q);
+    Matrix<Scalar> K_new = project(X_new.derived(), W_k, b_k);
+    rotate(Q, config_.n_heads, 0, Q.rows(), old_length);  // RoPE, if configured: positions L … L + T_new − 1
+    rotate(K_new, config_.n_kv_heads, 0, K_new.rows(), old_length);
+    cache.append(K_new, project(X_new.derived(), W_v, b_v));
     struct Undo {  // undoes the append if the attention call throws
       KVCache<Scalar>& cache;
       Index length;
@@ -507,7 +540,8 @@ class MultiHeadAttention {
   }
 
   /// The Tq × Tk attention weights P of query head `head`, for inspection (seed 000 §2.4.7: a debugging signal, not an
-  /// explanation): P = softmax(Q_h·K_{h/G}ᵀ·scale + masks) with Q = X_q·W_q + b_q and K = X_kv·W_k + b_k.
+  /// explanation): P = softmax(Q_h·K_{h/G}ᵀ·scale + masks) with Q = X_q·W_q + b_q and K = X_kv·W_k + b_k (rotated
+  /// as in `forward(X_q, X_kv)` when Config::rope is set).
   ///
   /// Shapes: X_q Tq × d_model, X_kv Tk × kdim (only the keys are needed, so this also serves kdim ≠ vdim); head in
   /// [0, n_heads). Row i sums to 1 over its visible keys (1 − p_sink with sinks) and is exactly 0 at hidden keys; a row
@@ -529,8 +563,10 @@ class MultiHeadAttention {
     detail::check_shape(head >= 0 && head < config_.n_heads, function, ": head is ", head,
                         ", expected an index in [0, ", config_.n_heads, ") (n_heads)");
     check_varlen(function, options, X_q.rows(), "X_q", X_kv.rows(), "X_kv");
-    const Matrix<Scalar> Q = project(X_q.derived(), W_q, b_q);
-    const Matrix<Scalar> K = project(X_kv.derived(), W_k, b_k);
+    Matrix<Scalar> Q = project(X_q.derived(), W_q, b_q);
+    Matrix<Scalar> K = project(X_kv.derived(), W_k, b_k);
+    rotate_sequences(Q, config_.n_heads, options.cu_seqlens_q);
+    rotate_sequences(K, config_.n_kv_heads, options.cu_seqlens_k);
     return qkv::attention_weights(Q, K, Heads{config_.n_heads, config_.n_kv_heads}, head, options);
   }
 
@@ -562,6 +598,7 @@ class MultiHeadAttention {
                         " (GQA needs n_heads % n_kv_heads == 0)");
     detail::check_shape(c.head_dim >= 0, function, ": Config::head_dim is ", c.head_dim,
                         ", expected 0 (= d_model / n_heads) or at least 1");
+    const bool head_dim_derived = c.head_dim == 0;
     if (c.head_dim == 0) {
       detail::check_shape(c.d_model % c.n_heads == 0, function, ": Config::d_model ", c.d_model,
                           " is not divisible by Config::n_heads ", c.n_heads,
@@ -572,7 +609,47 @@ class MultiHeadAttention {
     detail::check_shape(c.vdim >= 0, function, ": Config::vdim is ", c.vdim, ", expected 0 (= d_model) or at least 1");
     if (c.kdim == 0) c.kdim = c.d_model;
     if (c.vdim == 0) c.vdim = c.d_model;
+    if (c.rope) {
+      detail::check_shape(c.head_dim % 2 == 0, function, ": Config::rope is set and head_dim is ", c.head_dim,
+                          head_dim_derived ? " (d_model / n_heads)" : " (Config::head_dim)",
+                          ", expected an even number (RoPE rotates pairs of features)");
+      detail::check_positive_finite(function, "Config::rope->base", c.rope->base);
+      detail::check_positive_finite(function, "Config::rope->interpolation_factor", c.rope->interpolation_factor);
+      detail::check_positive_finite(function, "Config::rope->ntk_factor", c.rope->ntk_factor);
+    }
     return c;
+  }
+
+  /// The head_dim / 2 RoPE frequencies of a resolved configuration (positional.hpp's rule), empty without rope.
+  static std::vector<double> resolve_rope_frequencies(const Config& c) {
+    if (!c.rope) return {};
+    return detail::rope_frequencies("qkv::MultiHeadAttention", c.head_dim, *c.rope);
+  }
+
+  /// RoPE in place (nothing without Config::rope) on `rows` rows of M (packed heads, T × n_heads·head_dim) from row
+  /// `first_row`: every head of row first_row + t is rotated by the angles of position first_position + t, with
+  /// positional.hpp's rotation. O(rows·n_heads·head_dim) + O(rows·head_dim) cos/sin; allocates O(head_dim).
+  void rotate(Matrix<Scalar>& M, Index n_heads, Index first_row, Index rows, Index first_position) const {
+    if (!config_.rope) return;
+    const Index D = config_.head_dim;
+    QKV_ASSERT(M.cols() == n_heads * D && first_row >= 0 && rows >= 0 && first_row + rows <= M.rows());
+    std::vector<double> cosines(rope_frequencies_.size()), sines(rope_frequencies_.size());
+    for (Index t = 0; t < rows; ++t) {
+      detail::rope_angles(first_position + t, rope_frequencies_, cosines, sines);
+      Scalar* row = M.data() + (first_row + t) * M.cols();  // row-major: the heads of a row are contiguous
+      for (Index h = 0; h < n_heads; ++h) detail::rope_rotate(row + h * D, D, cosines, sines, config_.rope->layout);
+    }
+  }
+
+  /// RoPE on the rows of M from position 0, or, with varlen offsets `cu_seqlens` (already checked against M's rows),
+  /// on each sequence from its own position 0.
+  void rotate_sequences(Matrix<Scalar>& M, Index n_heads, const std::vector<Index>& cu_seqlens) const {
+    if (cu_seqlens.empty()) {
+      rotate(M, n_heads, 0, M.rows(), 0);
+      return;
+    }
+    for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b)
+      rotate(M, n_heads, cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b], 0);
   }
 
   Index q_columns() const noexcept { return config_.n_heads * config_.head_dim; }
@@ -654,9 +731,11 @@ class MultiHeadAttention {
     detail::check_shape(X_k.rows() == X_v.rows(), function, ": ", v_name, " has ", X_v.rows(), " rows, expected ",
                         X_k.rows(), " (the rows of ", k_name, ")");
     check_varlen(function, options, X_q.rows(), q_name, X_k.rows(), k_name);
-    const Matrix<Scalar> Q = project(X_q, W_q, b_q);
-    const Matrix<Scalar> K = project(X_k, W_k, b_k);  // once per kv head: Tk × Hkv·head_dim
+    Matrix<Scalar> Q = project(X_q, W_q, b_q);
+    Matrix<Scalar> K = project(X_k, W_k, b_k);  // once per kv head: Tk × Hkv·head_dim
     const Matrix<Scalar> V = project(X_v, W_v, b_v);
+    rotate_sequences(Q, config_.n_heads, options.cu_seqlens_q);  // RoPE, if configured: positions from 0
+    rotate_sequences(K, config_.n_kv_heads, options.cu_seqlens_k);
     const Index H_kv = config_.n_kv_heads, D = config_.head_dim;
     return attend(Q, detail::packed_heads_view(K.data(), K.rows(), H_kv, D, K.cols()),
                   detail::packed_heads_view(V.data(), V.rows(), H_kv, D, V.cols()), options);
@@ -675,6 +754,7 @@ class MultiHeadAttention {
   }
 
   Config config_;
+  std::vector<double> rope_frequencies_;  ///< head_dim / 2 angular frequencies of Config::rope; empty without it
 };
 
 }  // namespace qkv
