@@ -66,7 +66,8 @@ double visible_pairs(Index sq, Index skv, bool causal) {
   return pairs;
 }
 
-std::string label(const char* what) { return std::string(what) + " " + qkv::simd::BestTag::kName; }
+/// A benchmark's label: what it runs and the fused kernel's ISA (runtime dispatch, or the QKV_ISA pin).
+std::string label(const char* what) { return std::string(what) + " " + qkv::isa_name(); }
 
 // Prefill: B = 1, H heads, T = Sq = Skv, D = Dv; args {T, D, causal, threads}.
 void BM_FusedPrefill(benchmark::State& state) {
@@ -169,7 +170,7 @@ void BM_FmaPeak(benchmark::State& state) {
   }
   const double flops = 2.0 * qkv_bench::kFmaChains * qkv::simd::BestTag::kLanes * double(kIterations);
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(label("fma peak"));
+  state.SetLabel(std::string("fma peak ") + qkv::simd::BestTag::kName);  // the flags' best ISA, not the pin
 }
 
 // Decode: Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128; args {Skv, threads}.

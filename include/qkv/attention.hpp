@@ -13,10 +13,11 @@
 #include "qkv/config.hpp"
 #include "qkv/detail/attention_params.hpp"
 #include "qkv/detail/attention_shape.hpp"
-#include "qkv/detail/fused_attention.hpp"
+#include "qkv/detail/dispatch.hpp"
 #include "qkv/detail/threads.hpp"
 #include "qkv/detail/validate.hpp"
 #include "qkv/errors.hpp"
+#include "qkv/isa.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/options.hpp"
 #include "qkv/reference.hpp"
@@ -108,7 +109,7 @@ void attention_impl(const char* function, const TensorView4<const T>& q, const T
   const AttentionParams<T> params = resolve_params(options, shape.D);
   if constexpr (std::is_same_v<T, float>) {
     if (use_fused(function, options)) {
-      FusedAttention<simd::BestTag>(shape, q, k, v, out, lse, params).run();
+      run_fused(shape, q, k, v, out, lse, params);  // on the ISA isa.hpp chose (dispatch.hpp)
       return;
     }
   } else {

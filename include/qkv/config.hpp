@@ -1,7 +1,8 @@
 // qkv/config.hpp — build configuration shared by every qkv header.
 //
-// Owns: the single wrapped include of Eigen, `QKV_ASSERT`, `non_deduced_t`, the compile-time ISA detection
-// and the ISA-named inline namespace, and the `Matrix<Scalar>` alias. Every other qkv header includes this one
+// Owns: the single wrapped include of Eigen, `QKV_ASSERT`, `non_deduced_t`, the compile-time ISA detection, the
+// ISA-named inline namespace, which kernels are compiled for runtime dispatch and the target regions they are
+// compiled in, and the `Matrix<Scalar>` alias. `qkv::isa_name()` is in isa.hpp. Every other qkv header includes this one
 // (directly or through errors.hpp) and never includes Eigen itself.
 #pragma once
 
@@ -39,19 +40,96 @@
 #define QKV_ASSERT(condition) assert(condition)
 #endif
 
-// The best instruction set the compiler flags enable, chosen at compile time (no runtime dispatch).
-// QKV_ISA_NAME is the inline namespace that holds every function whose body depends on it, so that two
-// translation units built with different -march flags cannot silently share one definition (ODR).
+// The best instruction set the compiler flags enable: the build's baseline. QKV_ISA_NAME is the inline namespace that
+// holds every function whose body depends on the flags, so that two translation units built with different -march
+// flags cannot silently share one definition (ODR; docs/design.md, "Runtime dispatch").
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
     defined(__FMA__)
 #define QKV_ISA_AVX512 1
-#define QKV_ISA_NAME isa_avx512
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QKV_ISA_AVX2 1
-#define QKV_ISA_NAME isa_avx2
 #else
 #define QKV_ISA_SCALAR 1
-#define QKV_ISA_NAME isa_scalar
+#endif
+
+// Runtime dispatch (isa.hpp, detail/dispatch.hpp): the fused kernel is compiled once per instruction set, each copy
+// under its own function-level target (GCC and Clang `#pragma GCC target` / `#pragma clang attribute`), and the best
+// one the CPU runs is picked once per process. Which kernels a translation unit compiles:
+//   - flags without AVX2 (a plain build, -march=x86-64): scalar, AVX2 and AVX-512, chosen by CPUID;
+//   - flags with AVX2 or AVX-512 (-march=x86-64-v3, -march=native): scalar and every ISA up to the flags' own, which
+//     are all the binary can run (its other code may use the flags' instructions anywhere);
+//   - QKV_DISPATCH=0 (CMake: -DQKV_DISPATCH=OFF), or a compiler without target attributes: the flags' ISA alone.
+// The scalar kernel is always there, so QKV_ISA=scalar can pin it for testing (valgrind, the scalar CI stage).
+#ifndef QKV_DISPATCH
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define QKV_DISPATCH 1
+#else
+#define QKV_DISPATCH 0
+#endif
+#endif
+
+#if QKV_DISPATCH
+#if defined(QKV_ISA_SCALAR) || defined(QKV_ISA_AVX512)
+#define QKV_KERNEL_AVX2 1
+#define QKV_KERNEL_AVX512 1
+#else
+#define QKV_KERNEL_AVX2 1
+#endif
+#elif defined(QKV_ISA_AVX512)
+#define QKV_KERNEL_AVX512 1
+#elif defined(QKV_ISA_AVX2)
+#define QKV_KERNEL_AVX2 1
+#endif
+// With dispatch off, the flags' ISA alone: the scalar kernel only when it is the flags' best.
+#if QKV_DISPATCH || defined(QKV_ISA_SCALAR)
+#define QKV_KERNEL_SCALAR 1
+#endif
+
+// The inline namespace names what decides every kernel's code and behaviour: the flags' ISA, whether they dispatch,
+// and whether OpenMP is on (qkv::qkv and qkv::qkv_serial linked into one program must not share a definition):
+// isa_avx2, isa_avx2_static, isa_avx2_serial, isa_avx2_static_serial, ...
+#if defined(QKV_ISA_AVX512)
+#define QKV_ISA_BASE_ isa_avx512
+#elif defined(QKV_ISA_AVX2)
+#define QKV_ISA_BASE_ isa_avx2
+#else
+#define QKV_ISA_BASE_ isa_scalar
+#endif
+#if QKV_DISPATCH
+#define QKV_ISA_DISPATCH_
+#else
+#define QKV_ISA_DISPATCH_ _static
+#endif
+#if defined(_OPENMP)
+#define QKV_ISA_THREADS_
+#else
+#define QKV_ISA_THREADS_ _serial
+#endif
+#define QKV_ISA_CAT3_(a, b, c) a##b##c
+#define QKV_ISA_CAT_(a, b, c) QKV_ISA_CAT3_(a, b, c)
+#define QKV_ISA_NAME QKV_ISA_CAT_(QKV_ISA_BASE_, QKV_ISA_DISPATCH_, QKV_ISA_THREADS_)
+
+// Function-level targets: code between QKV_BEGIN_TARGET_AVX2 (or _AVX512) and QKV_END_TARGET is compiled for that
+// instruction set whatever the flags, so that intrinsics can be used there and inline into each other. Include every
+// standard and Eigen header before such a region: a declaration inside it takes the target too.
+#if defined(__clang__)
+#define QKV_BEGIN_TARGET_AVX2 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define QKV_BEGIN_TARGET_AVX512                                                                                       \
+  _Pragma(                                                                                                            \
+      "clang attribute push(__attribute__((target(\"avx2,fma,avx512f,avx512bw,avx512dq,avx512vl\"))), apply_to = function)")
+#define QKV_END_TARGET _Pragma("clang attribute pop")
+#elif defined(__GNUC__)
+#define QKV_BEGIN_TARGET_AVX2 \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define QKV_BEGIN_TARGET_AVX512            \
+  _Pragma("GCC push_options") _Pragma(     \
+      "GCC target(\"avx2,fma,avx512f,avx512bw,avx512dq,avx512vl\")")
+#define QKV_END_TARGET _Pragma("GCC pop_options")
+#else
+#define QKV_BEGIN_TARGET_AVX2
+#define QKV_BEGIN_TARGET_AVX512
+#define QKV_END_TARGET
 #endif
 
 /// Asks the compiler to unroll the next loop completely (a micro-kernel's row loop, so that its accumulators
@@ -89,16 +167,5 @@ struct type_identity {
 };
 template <class T>
 using non_deduced_t = typename type_identity<T>::type;
-
-/// Name of the instruction set this translation unit's kernels use: "avx512", "avx2" or "scalar".
-constexpr const char* isa_name() noexcept {
-#if defined(QKV_ISA_AVX512)
-  return "avx512";
-#elif defined(QKV_ISA_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
 
 }  // namespace qkv

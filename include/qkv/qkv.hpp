@@ -5,6 +5,7 @@
 #include "qkv/config.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/inspect.hpp"
+#include "qkv/isa.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/multi_head.hpp"
 #include "qkv/options.hpp"

@@ -1,26 +1,53 @@
-// tests/support/type_lists.hpp — the types typed tests run over: the scalar types, and every SIMD tag the build's flags
-// enable (scalar always; AVX2 and AVX-512 where include/qkv/simd/ defines them), so that one binary tests every
-// kernel side by side.
+// tests/support/type_lists.hpp — the types typed tests run over: the scalar types; the SIMD tags whose ops this
+// translation unit's flags let it call directly; and the tags the build compiled a fused kernel for (runtime dispatch,
+// config.hpp), which a test runs side by side where the CPU supports them.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include "qkv/isa.hpp"
 #include "qkv/simd/simd.hpp"
 
 namespace qkv_test {
 
 using Scalars = ::testing::Types<float, double>;
 
-// The conditions are those under which simd/avx2.hpp and simd/avx512.hpp define their tags.
+// Ops are called directly only under flags that enable them (simd/avx2.hpp, simd/avx512.hpp: their callers must be
+// compiled for their ISA): tests/CMakeLists.txt builds test_simd once per -march level for that.
 using SimdTags = ::testing::Types<qkv::simd::ScalarTag
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(QKV_ISA_AVX2) || defined(QKV_ISA_AVX512)
                                   ,
                                   qkv::simd::Avx2Tag
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#if defined(QKV_ISA_AVX512)
                                   ,
                                   qkv::simd::Avx512Tag
 #endif
                                   >;
+
+// Every kernel the build compiled (qkv::detail::run_fused_as takes the tag); with dispatch, the scalar one always.
+using KernelTags = ::testing::Types<
+#if defined(QKV_KERNEL_SCALAR)
+    qkv::simd::ScalarTag
+#endif
+#if defined(QKV_KERNEL_SCALAR) && (defined(QKV_KERNEL_AVX2) || defined(QKV_KERNEL_AVX512))
+    ,
+#endif
+#if defined(QKV_KERNEL_AVX2)
+    qkv::simd::Avx2Tag
+#endif
+#if defined(QKV_KERNEL_AVX2) && defined(QKV_KERNEL_AVX512)
+    ,
+#endif
+#if defined(QKV_KERNEL_AVX512)
+    qkv::simd::Avx512Tag
+#endif
+    >;
+
+/// Whether this CPU runs a tag's code (a typed test skips the others).
+template <class Tag>
+bool cpu_runs() {
+  return qkv::detail::cpu_supports(Tag::kIsa);
+}
 
 }  // namespace qkv_test

@@ -4,7 +4,18 @@
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
 // values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range. Per key and kv head
 // (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs.
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/decode_kernels.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_DECODE_KERNELS_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_DECODE_KERNELS_HPP
+#undef QKV_DETAIL_DECODE_KERNELS_HPP
+#else
+#define QKV_DETAIL_DECODE_KERNELS_HPP
+#endif
 
 #include "qkv/config.hpp"
 #include "qkv/detail/fused_tiles.hpp"
@@ -13,6 +24,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// Prefetches the first n floats of row p (one hint per 64-byte line).
 inline void prefetch_row(const float* p, Index n) noexcept {
@@ -150,6 +162,9 @@ inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, In
   }
 }
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_DECODE_KERNELS_HPP, per pass

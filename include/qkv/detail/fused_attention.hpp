@@ -25,7 +25,18 @@
 // zero; a row with NaN or +∞ among its visible scores is NaN; empty rows give zeros and lse −∞; sinks join the
 // denominator at the end as a state with output 0 and lse = the sink logit; a prefill task whose scores could
 // overflow in base 2 runs again in base e.
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/fused_attention.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_FUSED_ATTENTION_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_FUSED_ATTENTION_HPP
+#undef QKV_DETAIL_FUSED_ATTENTION_HPP
+#else
+#define QKV_DETAIL_FUSED_ATTENTION_HPP
+#endif
 
 #include <algorithm>
 #include <cstddef>
@@ -55,6 +66,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// Per-thread scratch of the fused kernel: sized once per call, reused by every task of the thread.
 struct FusedScratch {
@@ -341,6 +353,16 @@ class FusedAttention {
   std::vector<float> zeros_;  ///< the output of a sink state
 };
 
+/// This pass's kernel: FusedAttention for the pass's tag (dispatch.hpp calls it through isa.hpp's choice).
+inline void run_fused(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
+                      const TensorView4<const float>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
+                      const AttentionParams<float>& params) {
+  FusedAttention<QKV_PASS_TAG>(shape, q, k, v, out, lse, params).run();
+}
+
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_FUSED_ATTENTION_HPP, per pass

@@ -4,7 +4,18 @@
 // tag, so that a binary gives the same bits for any thread count. An ISA takes shapes of its own through an explicit
 // specialization of FusedTiles for its tag; the panel and chunk widths are those of the micro-kernels' accumulators
 // (two vectors per row today, prefill_kernels.hpp), so a wider panel comes with micro-kernels to match.
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/fused_tiles.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_FUSED_TILES_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_FUSED_TILES_HPP
+#undef QKV_DETAIL_FUSED_TILES_HPP
+#else
+#define QKV_DETAIL_FUSED_TILES_HPP
+#endif
 
 #include <algorithm>
 #include <type_traits>
@@ -15,6 +26,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// Tile sizes of the fused kernel for a SIMD tag. The prefill micro-kernels hold kStrip rows × 2 vectors of
 /// accumulators (12 on AVX2, whose 16 registers also hold the 2 loaded vectors and a broadcast).
@@ -55,6 +67,9 @@ inline void dispatch_rows(Index rows, F&& f) {
   dispatch_rows(rows, f, std::integer_sequence<int, 1, 2, 3, 4, 5, 6>());
 }
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_FUSED_TILES_HPP, per pass

@@ -3,7 +3,18 @@
 // The fused kernel multiplies a hidden key's weight, exactly 0, by its value only where the tile's values are all
 // finite (all_finite); otherwise it skips the zero weights (pv_skip_zero_weights), so a NaN or ∞ stored in a hidden
 // slot never reaches the output (docs/design.md: select, never multiply by zero).
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/hidden_values.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_HIDDEN_VALUES_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_HIDDEN_VALUES_HPP
+#undef QKV_DETAIL_HIDDEN_VALUES_HPP
+#else
+#define QKV_DETAIL_HIDDEN_VALUES_HPP
+#endif
 
 #include <cmath>
 
@@ -13,6 +24,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `n_rows` rows over the keys of non-zero weight only: the
 /// P·V of a tile whose values hold NaN or ∞ where some key may be hidden, so that a hidden slot (weight 0) is never
@@ -49,6 +61,9 @@ inline bool all_finite(const float* rows, Index n_rows, Index n, Index ld) noexc
   return reduce_sum(Tag(), acc) == 0.0f;
 }
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_HIDDEN_VALUES_HPP, per pass

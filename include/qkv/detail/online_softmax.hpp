@@ -5,7 +5,18 @@
 // only when the row's max rose, and `finalize` divides once per row and gives the lse. The base is a template
 // parameter: kBase2 takes scores already multiplied by log2 e and uses exp2 (the prefill's fast path), otherwise
 // exp (decoding, and a prefill task whose scores could overflow in base 2: query_block.hpp, base2_fits).
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/online_softmax.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_ONLINE_SOFTMAX_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_ONLINE_SOFTMAX_HPP
+#undef QKV_DETAIL_ONLINE_SOFTMAX_HPP
+#else
+#define QKV_DETAIL_ONLINE_SOFTMAX_HPP
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +28,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// The online softmax state of a task's rows, over scratch the caller owns: row_max and row_sum (M floats each),
 /// row_nan (M flags: a NaN among the row's visible scores) and acc_o (M × Dv floats, row r at acc_o + r·Dv).
@@ -128,6 +140,9 @@ class OnlineSoftmax {
   Index Dv_;
 };
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_ONLINE_SOFTMAX_HPP, per pass

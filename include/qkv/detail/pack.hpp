@@ -5,7 +5,18 @@
 //   V: chunks of 2·lanes columns, [chunk][key][2·lanes], the last chunk's columns past Dv zero-padded.
 //
 // Decoding sequences are not packed (decode_kernels.hpp reads K and V in place).
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/pack.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_PACK_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_PACK_HPP
+#undef QKV_DETAIL_PACK_HPP
+#else
+#define QKV_DETAIL_PACK_HPP
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +33,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// Packs the first `skv` keys of k (rows of D floats, `ld` apart) into panels of kPanel keys laid out
 /// [panel][d][key], zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out: they make a
@@ -135,6 +147,9 @@ class PackedKV {
   std::vector<float> key_abs_max_;
 };
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_PACK_HPP, per pass

@@ -4,7 +4,18 @@
 // Per strip of R ≤ kStrip rows (fused_tiles.hpp) and panel of 2·lanes keys, qk_panel holds R × 2 vectors of scores;
 // per chunk of 2·lanes Dv columns, pv_chunk holds R × 2 vectors of acc_o. Both read one packed stream (pack.hpp)
 // front to back and broadcast the other operand.
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/prefill_kernels.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_PREFILL_KERNELS_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_PREFILL_KERNELS_HPP
+#undef QKV_DETAIL_PREFILL_KERNELS_HPP
+#else
+#define QKV_DETAIL_PREFILL_KERNELS_HPP
+#endif
 
 #include <algorithm>
 
@@ -15,6 +26,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// c[r][0 .. 2·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. 2·lanes) for R rows (R ≤ kStrip),
 /// n steps of k: the prefill micro-kernel. 2R accumulators stay in registers; each step loads two vectors of b and
@@ -101,6 +113,9 @@ inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stri
   }
 }
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_PREFILL_KERNELS_HPP, per pass

@@ -6,7 +6,18 @@
 // scores before it starts, and a task that could pass that bound runs in base e (fused_attention.hpp, run_task).
 // Pre-scaling must not change which scores are infinite: a q that underflows keeps its sign (underflowed_product),
 // and where the factor or a finite q·factor overflows, Q stays unscaled and the scores are scaled after Q·Kᵀ.
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/query_block.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_QUERY_BLOCK_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_QUERY_BLOCK_HPP
+#undef QKV_DETAIL_QUERY_BLOCK_HPP
+#else
+#define QKV_DETAIL_QUERY_BLOCK_HPP
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +29,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// The pre-scaled q·factor of a nonzero q that underflowed to 0: the smallest denormal of the product's sign, so
 /// that q·(±∞) stays ±∞ (a −∞ score hides its key; 0·∞ would make it NaN). Its finite terms change by at most
@@ -96,6 +108,9 @@ inline bool base2_fits(const float* q_block, Index M, Index D, float key_abs_max
   return bound < double(std::numeric_limits<float>::max());
 }
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_QUERY_BLOCK_HPP, per pass

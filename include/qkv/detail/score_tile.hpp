@@ -4,7 +4,18 @@
 // per element softcap, bias and ALiBi (score.hpp, through HeadMask) and the mask. The index mask runs only in
 // boundary tiles (`index_mask`); `allowed` and `bias` decide in every tile where they are set. Hidden keys become
 // −∞, which the softmax turns into weight 0 (never a multiplication by zero).
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/score_tile.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_SCORE_TILE_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_SCORE_TILE_HPP
+#undef QKV_DETAIL_SCORE_TILE_HPP
+#else
+#define QKV_DETAIL_SCORE_TILE_HPP
+#endif
 
 #include <cmath>
 #include <limits>
@@ -17,6 +28,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// The rows of a task's block: block row r is query i_begin + r % rows of the group's head r / rows, whose mask is
 /// masks[r / rows].
@@ -76,6 +88,9 @@ bool finish_score_tile(float* s, Index lds, Index r_begin, Index n_rows, Index f
   return fits;
 }
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_SCORE_TILE_HPP, per pass

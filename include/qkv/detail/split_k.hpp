@@ -6,7 +6,18 @@
 // writes a partial (out, lse) state, lse in base e, to a slot of its own, and `merge` combines the chunks of each
 // (sequence, kv head, query tile) in chunk order (softmax.hpp, merge_state). So results are bit-identical for any
 // number of threads.
-#pragma once
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/split_k.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_SPLIT_K_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_SPLIT_K_HPP
+#undef QKV_DETAIL_SPLIT_K_HPP
+#else
+#define QKV_DETAIL_SPLIT_K_HPP
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -19,6 +30,7 @@
 namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// One task of the fused kernel: the query rows of one (sequence, kv head, query tile) and the keys it covers.
 struct FusedTask {
@@ -121,6 +133,9 @@ class FusedTasks {
   AlignedBuffer partial_out_, partial_lse_;
 };
 
+}  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
+
+#endif  // QKV_DETAIL_SPLIT_K_HPP, per pass

@@ -1,15 +1,21 @@
 // qkv/simd/avx2.hpp — AVX2 + FMA: eight float lanes (__m256).
+//
+// Defined whenever the build compiles the AVX2 kernel (config.hpp), inside an AVX2 target region: a caller must be
+// compiled for AVX2 too (the kernel's AVX2 copy, or code built with -march=x86-64-v3 or better).
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include "qkv/config.hpp"
+
+#if defined(QKV_KERNEL_AVX2)
 
 #include <immintrin.h>
 
 #include <cstdint>
 
-#include "qkv/config.hpp"
+#include "qkv/isa.hpp"
 #include "qkv/simd/exp_constants.hpp"
 
+QKV_BEGIN_TARGET_AVX2
 namespace qkv {
 namespace simd {
 inline namespace QKV_ISA_NAME {
@@ -18,6 +24,7 @@ struct Avx2Tag {
   using Vec = __m256;
   static constexpr int kLanes = 8;
   static constexpr const char* kName = "avx2";
+  static constexpr detail::Isa kIsa = detail::Isa::avx2;
 };
 
 inline __m256 zero(Avx2Tag) noexcept { return _mm256_setzero_ps(); }
@@ -108,5 +115,6 @@ inline __m256 exp2(Avx2Tag, __m256 x) noexcept {
 }  // namespace QKV_ISA_NAME
 }  // namespace simd
 }  // namespace qkv
+QKV_END_TARGET
 
 #endif

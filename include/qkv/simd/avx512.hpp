@@ -1,10 +1,15 @@
 // qkv/simd/avx512.hpp — AVX-512 (F, BW, DQ, VL): sixteen float lanes (__m512).
 //
+// Defined whenever the build compiles the AVX-512 kernel (config.hpp), inside an AVX-512 target region: a caller
+// must be compiled for AVX-512 too (the kernel's AVX-512 copy, or code built with -march=x86-64-v4 or better).
+//
 // GCC 12 reports false -Wuninitialized / -Wmaybe-uninitialized inside AVX-512 intrinsics (GCC bug 105593):
 // this header silences them for itself only, so that -Werror holds with -march=native on g++.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#include "qkv/config.hpp"
+
+#if defined(QKV_KERNEL_AVX512)
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -14,9 +19,10 @@
 
 #include <immintrin.h>
 
-#include "qkv/config.hpp"
+#include "qkv/isa.hpp"
 #include "qkv/simd/exp_constants.hpp"
 
+QKV_BEGIN_TARGET_AVX512
 namespace qkv {
 namespace simd {
 inline namespace QKV_ISA_NAME {
@@ -25,6 +31,7 @@ struct Avx512Tag {
   using Vec = __m512;
   static constexpr int kLanes = 16;
   static constexpr const char* kName = "avx512";
+  static constexpr detail::Isa kIsa = detail::Isa::avx512;
 };
 
 inline __m512 zero(Avx512Tag) noexcept { return _mm512_setzero_ps(); }
@@ -48,9 +55,15 @@ inline __m512 max(__m512 a, __m512 b) noexcept { return _mm512_max_ps(a, b); }
 inline float reduce_max(Avx512Tag, __m512 v) noexcept { return _mm512_reduce_max_ps(v); }
 inline float reduce_sum(Avx512Tag, __m512 v) noexcept { return _mm512_reduce_add_ps(v); }
 
+/// The sum of a vector's two 256-bit halves. (A named function, not a lambda: GCC compiles a captureless lambda's
+/// function-pointer thunk without the region's target.)
+inline __m256 sum_halves(__m512 x) noexcept {
+  return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+
 /// out[0..4) = the lane sums of a, b, c, d (halves added, then a transposing reduction of the 256-bit sums).
 inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float* out) noexcept {
-  const auto half = [](__m512 x) { return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1)); };
+  const auto half = sum_halves;
   const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
   const __m256 abcd = _mm256_hadd_ps(ab, cd);
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
@@ -99,6 +112,7 @@ inline __m512 exp2(Avx512Tag, __m512 x) noexcept {
 }  // namespace QKV_ISA_NAME
 }  // namespace simd
 }  // namespace qkv
+QKV_END_TARGET
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "qkv/config.hpp"
+#include "qkv/isa.hpp"
 
 namespace qkv {
 namespace simd {
@@ -19,6 +20,7 @@ struct ScalarTag {
   using Vec = float;
   static constexpr int kLanes = 1;
   static constexpr const char* kName = "scalar";
+  static constexpr detail::Isa kIsa = detail::Isa::scalar;
 };
 
 inline float zero(ScalarTag) noexcept { return 0.0f; }

@@ -1,4 +1,5 @@
-// qkv/simd/simd.hpp — the SIMD seam: includes every tag the build's flags enable and names the best one.
+// qkv/simd/simd.hpp — the SIMD seam: includes every tag the build compiles a kernel for (config.hpp) and names the
+// best one the flags enable.
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
@@ -26,6 +27,8 @@ inline void prefetch(const float* p) noexcept {
 #endif
 }
 
+/// The best tag the build's flags enable, for code compiled with those flags that calls the ops directly (the ops'
+/// tests, the benchmarks' FMA peak). The fused kernel does not use it: it runs the tag isa.hpp picks at run time.
 #if defined(QKV_ISA_AVX512)
 using BestTag = Avx512Tag;
 #elif defined(QKV_ISA_AVX2)
