@@ -90,15 +90,17 @@ TEST(Dispatch, IsaNameIsThePinOrTheBestCompiledKernelTheCpuLists) {
   const auto has = [&](const char* flag) { return flags.find(std::string(" ") + flag + " ") != std::string::npos; };
   const bool avx2 = has("avx2") && has("fma");
   const bool avx512 = avx2 && has("avx512f") && has("avx512bw") && has("avx512dq") && has("avx512vl");
+  // The pin in force: the environment's, else the build's (CMake QKV_ISA); CI pins only what the CPU runs. (Under
+  // valgrind, which hides AVX-512 from CPUID but not from /proc/cpuinfo, run this test with a pin.)
   const char* pin = std::getenv("QKV_ISA");
-  if (pin != nullptr && *pin != '\0' && std::strcmp(pin, "best") != 0) {
+#if defined(QKV_ISA_DEFAULT)
+  if (pin == nullptr) pin = QKV_ISA_DEFAULT;
+#endif
+  const qkv::detail::IsaRequest request = qkv::detail::parse_isa(pin);
+  if (request.pinned) {
     EXPECT_STREQ(qkv::isa_name(), pin) << "QKV_ISA=" << pin << " was not honoured";
     return;
   }
-#if defined(QKV_ISA_DEFAULT)
-  EXPECT_STREQ(qkv::isa_name(), QKV_ISA_DEFAULT) << "the build's pin (CMake QKV_ISA) was not honoured";
-  return;
-#endif
   std::string expected = "scalar";
 #if defined(QKV_KERNEL_AVX2)
   if (avx2) expected = "avx2";

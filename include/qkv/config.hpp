@@ -43,10 +43,16 @@
 // The best instruction set the compiler flags enable: the build's baseline. QKV_ISA_NAME is the inline namespace that
 // holds every function whose body depends on the flags, so that two translation units built with different -march
 // flags cannot silently share one definition (ODR; docs/design.md, "Runtime dispatch").
+// MSVC defines __AVX2__ and __AVX512*__ for /arch:AVX2 and /arch:AVX512 but never __FMA__, which both imply.
+#if defined(_MSC_VER) && !defined(__clang__) && defined(__AVX2__) && !defined(__FMA__)
+#define QKV_HAS_FMA_ 1
+#elif defined(__FMA__)
+#define QKV_HAS_FMA_ 1
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
-    defined(__FMA__)
+    defined(QKV_HAS_FMA_)
 #define QKV_ISA_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(QKV_HAS_FMA_)
 #define QKV_ISA_AVX2 1
 #else
 #define QKV_ISA_SCALAR 1

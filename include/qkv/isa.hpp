@@ -10,7 +10,10 @@
 //   2. otherwise the best compiled kernel the CPU and the operating system support: AVX-512 (F, BW, DQ, VL, with the
 //      OS saving the ZMM state), AVX2 with FMA, scalar.
 //
-// The choice is the same for every thread and never changes after the first call. Eigen's own code (the reference
+// The choice is the same for every thread and never changes after the first call. It is made once per set of build
+// flags: a program whose translation units were all built with the same flags (the usual case) chooses once; units
+// built with different -march, QKV_DISPATCH or OpenMP settings each choose for themselves (config.hpp, ODR), from the
+// same CPU and pin. QKV_ISA_DEFAULT is for qkv's own tests: give every unit of a program the same value. Eigen's own code (the reference
 // backend, the Eigen products of the module and the classic scores) is not dispatched: it follows the build's flags.
 // Source: the dynamic dispatch of Highway (HWY_DYNAMIC_DISPATCH) and OpenBLAS's DYNAMIC_ARCH.
 #pragma once
@@ -36,6 +39,7 @@ constexpr const char* isa_string(Isa isa) noexcept {
 /// `__builtin_cpu_supports` read CPUID and check XGETBV for the AVX and AVX-512 state. Complexity: O(1).
 inline bool cpu_supports(Isa isa) noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();  // needed before __builtin_cpu_supports when called before static constructors have run
   switch (isa) {
     case Isa::scalar:
       return true;
@@ -77,7 +81,8 @@ inline IsaRequest parse_isa(const char* text) noexcept {
 }
 
 /// The kernel a build runs, from what it compiled (`compiled[isa]`), what the CPU supports and the pin text: the pin
-/// when it is compiled and supported, else the best compiled and supported one. `why_not`, when the pin cannot be
+/// when it is compiled and supported, else the best compiled and supported one (else the lowest compiled one, which
+/// the caller must refuse to run). `why_not`, when the pin cannot be
 /// honoured, is set to a reason for the caller to report. Pure; the tests call it with every combination.
 inline Isa choose_isa(const bool (&compiled)[3], const bool (&supported)[3], const char* pin,
                       const char** why_not) noexcept {
@@ -88,7 +93,7 @@ inline Isa choose_isa(const bool (&compiled)[3], const bool (&supported)[3], con
     if (!request.found) {
       *why_not = "is not one of scalar, avx2, avx512, best";
     } else if (!compiled[n]) {
-      *why_not = "names a kernel this build did not compile (config.hpp: the flags' ISA is the highest compiled)";
+      *why_not = "names a kernel this build did not compile (config.hpp says which a build compiles)";
     } else if (!supported[n]) {
       *why_not = "names an instruction set this CPU does not support";
     } else {
@@ -131,6 +136,13 @@ inline Isa active_isa() noexcept {
 #endif
     const char* why_not = nullptr;
     const Isa isa = choose_isa(compiled, supported, pin, &why_not);
+    if (!supported[static_cast<int>(isa)]) {  // a QKV_DISPATCH=0 build whose flags this CPU lacks
+      std::fprintf(stderr,
+                   "qkv: this build compiled only the %s kernel (QKV_DISPATCH=0 and -march flags), which this CPU "
+                   "does not support; rebuild with dispatch on or with flags this CPU has\n",
+                   isa_string(isa));
+      std::abort();
+    }
     if (why_not != nullptr) {
       std::fprintf(stderr, "qkv: QKV_ISA=%s %s; running the %s kernel\n", pin, why_not, isa_string(isa));
     }

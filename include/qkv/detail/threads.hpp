@@ -15,6 +15,8 @@
 #include <omp.h>
 #endif
 
+#include "qkv/config.hpp"
+
 namespace qkv {
 namespace detail {
 
@@ -27,6 +29,10 @@ struct TeamObserver {
   static inline Callback callback = nullptr;
   static inline void* context = nullptr;
 };
+
+// The functions below change with _OPENMP: in the inline namespace that names it (config.hpp), so that units built with
+// and without OpenMP (qkv::qkv and qkv::qkv_serial) never share them.
+inline namespace QKV_ISA_NAME {
 
 /// Whether a qkv parallel region may open a team of threads: false inside an active parallel region (the policy
 /// above) and without OpenMP.
@@ -47,5 +53,6 @@ inline void observe_team() noexcept {
 #endif
 }
 
+}  // namespace QKV_ISA_NAME
 }  // namespace detail
 }  // namespace qkv
