@@ -3,7 +3,7 @@
 // Every qkv function whose body depends on the flags sits in an inline namespace named after them (qkv::isa_scalar,
 // qkv::isa_avx2, ...), the kernel copies of runtime dispatch included (qkv::detail::isa_avx2::kernel_scalar is the
 // scalar kernel compiled with AVX2 flags), so the linker keeps both units' kernels instead of silently picking one:
-// otherwise the x86-64 unit's scalar kernel could be the one compiled for AVX2, and fault on a CPU without it.
+// otherwise the x86-64 unit's kernels could be the ones compiled for AVX2, and fault on a CPU without it.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -15,8 +15,8 @@
 
 /// Runs causal attention with Backend::fused on raw buffers (no Eigen object crosses the unit), writes the
 /// ISA this unit's call ran on into `isa`, the output into `out` (2 heads × 37 rows × 24) and the address of this
-/// unit's scalar kernel copy into `scalar_kernel`.
-void QKV_ODR_CONCAT(run_, QKV_ODR_UNIT)(const char** isa, std::vector<float>& out, std::uintptr_t* scalar_kernel) {
+/// unit's fused-kernel entry (the dispatcher over its kernel copies) into `kernel`.
+void QKV_ODR_CONCAT(run_, QKV_ODR_UNIT)(const char** isa, std::vector<float>& out, std::uintptr_t* kernel) {
   const qkv::Index H = 2, S = 37, D = 24;
   std::vector<float> q(static_cast<std::size_t>(H * S * D)), k(q.size()), v(q.size());
   for (std::size_t n = 0; n < q.size(); ++n) {
@@ -31,5 +31,5 @@ void QKV_ODR_CONCAT(run_, QKV_ODR_UNIT)(const char** isa, std::vector<float>& ou
   qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, S, D), qkv::view_bhsd<const float>(k.data(), 1, H, S, D),
                  qkv::view_bhsd<const float>(v.data(), 1, H, S, D), qkv::view_bhsd(out.data(), 1, H, S, D), options);
   *isa = qkv::isa_name();
-  *scalar_kernel = reinterpret_cast<std::uintptr_t>(&qkv::detail::kernel_scalar::run_fused);
+  *kernel = reinterpret_cast<std::uintptr_t>(&qkv::detail::run_fused);
 }

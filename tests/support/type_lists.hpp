@@ -13,9 +13,10 @@ namespace qkv_test {
 using Scalars = ::testing::Types<float, double>;
 
 // Ops are called directly only under flags that enable them (simd/avx2.hpp, simd/avx512.hpp: their callers must be
-// compiled for their ISA): tests/CMakeLists.txt builds test_simd once per -march level for that.
+// compiled for their ISA): tests/CMakeLists.txt builds test_simd once per -march level for that. A tag exists where its
+// kernel is compiled (config.hpp): with QKV_DISPATCH=0, the flags' own and the scalar one.
 using SimdTags = ::testing::Types<qkv::simd::ScalarTag
-#if defined(QKV_ISA_AVX2) || defined(QKV_ISA_AVX512)
+#if (defined(QKV_ISA_AVX2) || defined(QKV_ISA_AVX512)) && defined(QKV_KERNEL_AVX2)
                                   ,
                                   qkv::simd::Avx2Tag
 #endif
