@@ -89,31 +89,16 @@ namespace qkv {
 namespace detail {
 inline namespace QKV_ISA_NAME {
 
-// The kernel of a tag, by overload: tests run every compiled copy side by side (a copy the CPU cannot run must not
-// be called: cpu_supports(Tag::kIsa)).
+// run_fused_as(tag, ...): the kernel copy of a tag, by overload, one from each pass. Tests run every compiled copy
+// side by side (a copy the CPU cannot run must not be called: cpu_supports(Tag::kIsa)).
 #if defined(QKV_KERNEL_SCALAR)
-inline void run_fused_as(simd::ScalarTag, const AttentionShape& shape, const TensorView4<const float>& q,
-                         const TensorView4<const float>& k, const TensorView4<const float>& v,
-                         const TensorView4<float>& out, const TensorView3<float>* lse,
-                         const AttentionParams<float>& params) {
-  kernel_scalar::run_fused(shape, q, k, v, out, lse, params);
-}
+using kernel_scalar::run_fused_as;
 #endif
 #if defined(QKV_KERNEL_AVX2)
-inline void run_fused_as(simd::Avx2Tag, const AttentionShape& shape, const TensorView4<const float>& q,
-                         const TensorView4<const float>& k, const TensorView4<const float>& v,
-                         const TensorView4<float>& out, const TensorView3<float>* lse,
-                         const AttentionParams<float>& params) {
-  kernel_avx2::run_fused(shape, q, k, v, out, lse, params);
-}
+using kernel_avx2::run_fused_as;
 #endif
 #if defined(QKV_KERNEL_AVX512)
-inline void run_fused_as(simd::Avx512Tag, const AttentionShape& shape, const TensorView4<const float>& q,
-                         const TensorView4<const float>& k, const TensorView4<const float>& v,
-                         const TensorView4<float>& out, const TensorView3<float>* lse,
-                         const AttentionParams<float>& params) {
-  kernel_avx512::run_fused(shape, q, k, v, out, lse, params);
-}
+using kernel_avx512::run_fused_as;
 #endif
 
 /// The fused kernel over validated views and resolved parameters, on the instruction set isa.hpp chose.
@@ -123,19 +108,19 @@ inline void run_fused(const AttentionShape& shape, const TensorView4<const float
   switch (active_isa()) {
 #if defined(QKV_KERNEL_AVX512)
     case Isa::avx512:
-      kernel_avx512::run_fused(shape, q, k, v, out, lse, params);
+      run_fused_as(simd::Avx512Tag(), shape, q, k, v, out, lse, params);
       return;
 #endif
 #if defined(QKV_KERNEL_AVX2)
     case Isa::avx2:
-      kernel_avx2::run_fused(shape, q, k, v, out, lse, params);
+      run_fused_as(simd::Avx2Tag(), shape, q, k, v, out, lse, params);
       return;
 #endif
     default:
       break;
   }
 #if defined(QKV_KERNEL_SCALAR)
-  kernel_scalar::run_fused(shape, q, k, v, out, lse, params);
+  run_fused_as(simd::ScalarTag(), shape, q, k, v, out, lse, params);
 #endif
 }
 

@@ -353,8 +353,9 @@ class FusedAttention {
   std::vector<float> zeros_;  ///< the output of a sink state
 };
 
-/// This pass's kernel: FusedAttention for the pass's tag (dispatch.hpp calls it through isa.hpp's choice).
-inline void run_fused(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
+/// This pass's kernel: FusedAttention for the pass's tag, chosen by overload on the tag (dispatch.hpp brings the
+/// passes' overloads together and calls the one isa.hpp chose).
+inline void run_fused_as(QKV_PASS_TAG, const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
                       const TensorView4<const float>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
                       const AttentionParams<float>& params) {
   FusedAttention<QKV_PASS_TAG>(shape, q, k, v, out, lse, params).run();
