@@ -7,7 +7,10 @@
 // Baselines: a register-only FMA loop (the ISA's peak for one thread), an Eigen SGEMM 2048³ (the "Eigen SGEMM
 // reference"), a naive materialized Eigen attention (S = Q·Kᵀ, softmax, P·V per head, float), the qkv reference
 // path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
-// Quote ratios from one run (bench/README.md), never absolute times: the machines are shared.
+// Quote ratios from one run (bench/README.md), never absolute times: the machines are shared. For ratios fit to
+// quote, take medians of interleaved rounds, each kernel beside its baseline in one process:
+//   bench_attention --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true \
+//     --benchmark_report_aggregates_only=true --benchmark_filter='FmaPeak|FusedPrefill/T:4096'   (for example)
 // Memory: alloc_MiB is the sum of what one fused call allocates (operator new, counted by
 // tests/support/counting_allocator.hpp: an upper bound of its peak, as all but a few small vectors live until the call
 // returns), scores_MiB the T × T score matrix the naive baseline holds, inputs_MiB what q, k, v and out occupy.
@@ -69,6 +72,30 @@ double visible_pairs(Index sq, Index skv, bool causal) {
 /// A benchmark's label: what it runs and the fused kernel's ISA (runtime dispatch, or the QKV_ISA pin).
 std::string label(const char* what) { return std::string(what) + " " + qkv::isa_name(); }
 
+/// K/V storage of a benchmark row: arg 0 = float, 1 = Eigen::half, 2 = Eigen::bfloat16 (qkv::attention's 16-bit keys
+/// and values; q and out stay float).
+const char* storage_name(std::int64_t storage) { return storage == 1 ? "f16" : storage == 2 ? "bf16" : "f32"; }
+
+/// Calls f with a value of the storage type of arg `storage` (for its type only).
+template <class F>
+void with_storage(std::int64_t storage, F&& f) {
+  if (storage == 1) {
+    f(Eigen::half());
+  } else if (storage == 2) {
+    f(Eigen::bfloat16());
+  } else {
+    f(0.0f);
+  }
+}
+
+/// `values` rounded to storage type S (exactly what a user holding a 16-bit cache has).
+template <class S>
+std::vector<S> stored_as(const std::vector<float>& values) {
+  std::vector<S> result(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) result[i] = S(values[i]);
+  return result;
+}
+
 // Prefill: B = 1, H heads, T = Sq = Skv, D = Dv; args {T, D, causal, threads}.
 void BM_FusedPrefill(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = 8;
@@ -98,6 +125,32 @@ void BM_FusedPrefill(benchmark::State& state) {
   set_threads(1);
 }
 
+// Prefill with 16-bit keys and values (the fused kernel converts them while packing): B = 1, H = 8, T = Sq = Skv,
+// D = Dv, one thread, not causal; args {T, D, storage} (1 = half, 2 = bfloat16). Compare with BM_FusedPrefill's
+// float row of the same T and D in the same run.
+void BM_FusedPrefillKV16(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  set_threads(1);
+  const auto q = random_vector(std::size_t(H * T * D), 1);
+  std::vector<float> out(std::size_t(H * T * D));
+  qkv::AttentionOptions<float> options;
+  options.backend = qkv::Backend::fused;
+  with_storage(state.range(2), [&](auto storage) {
+    using S = decltype(storage);
+    const auto k = stored_as<S>(random_vector(std::size_t(H * T * D), 2)),
+               v = stored_as<S>(random_vector(std::size_t(H * T * D), 3));
+    for (auto _ : state) {
+      qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                     qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+  });
+  const double flops = 2.0 * double(D + D) * double(T) * double(T) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label((std::string("fused prefill ") + storage_name(state.range(2))).c_str()));
+}
+
 // The qkv reference path (float64 accumulation, materialized) on the same shapes: the executable specification.
 void BM_ReferencePrefill(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = 8;
@@ -119,9 +172,11 @@ void BM_ReferencePrefill(benchmark::State& state) {
   state.SetLabel(label("reference"));
 }
 
-// Naive materialized attention in plain Eigen, one head at a time (no mask): the baseline a user would write.
+// Naive materialized attention in plain Eigen, one head at a time (no mask): the baseline a user would write. One
+// thread, like the SGEMM row (Eigen would otherwise use OpenMP's threads for the products).
 void BM_NaiveEigenPrefill(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = 8;
+  Eigen::setNbThreads(1);
   using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)),
       v(std::size_t(H), M::Random(T, D));
@@ -173,26 +228,40 @@ void BM_FmaPeak(benchmark::State& state) {
   state.SetLabel(std::string("fma peak ") + qkv::simd::BestTag::kName);  // the flags' best ISA, not the pin
 }
 
-// Decode: Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128; args {Skv, threads}.
+// Decode: Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128; args {Skv, threads, bshd, storage}. bshd = 0: K and V head-major
+// ([B, H, S, D], each head's keys contiguous); bshd = 1: token-major ([B, S, H, D], view_bshd: each key row holds the
+// 8 kv heads side by side, 4 KiB apart per head; llama.cpp's cache and the packed Eigen entry point's layout).
+// storage: K and V in float, half or bfloat16 (GBps counts the bytes of that storage).
 void BM_FusedDecode(benchmark::State& state) {
   const Index Skv = state.range(0), Hq = 32, Hkv = 8, D = 128;
+  const bool bshd = state.range(2) != 0;
   set_threads(static_cast<int>(state.range(1)));
-  const auto q = random_vector(std::size_t(Hq * D), 1), k = random_vector(std::size_t(Hkv * Skv * D), 2),
-             v = random_vector(std::size_t(Hkv * Skv * D), 3);
+  const auto q = random_vector(std::size_t(Hq * D), 1);
   std::vector<float> out(std::size_t(Hq * D));
   qkv::AttentionOptions<float> options;
   options.backend = qkv::Backend::fused;
-  for (auto _ : state) {
-    qkv::attention(qkv::view_bhsd(q.data(), 1, Hq, 1, D), qkv::view_bhsd(k.data(), 1, Hkv, Skv, D),
-                   qkv::view_bhsd(v.data(), 1, Hkv, Skv, D), qkv::view_bhsd(out.data(), 1, Hq, 1, D), options);
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
-  const double bytes = 2.0 * double(Hkv * Skv * D) * sizeof(float);
+  std::size_t element_bytes = 4;
+  with_storage(state.range(3), [&](auto storage) {
+    using S = decltype(storage);
+    element_bytes = sizeof(S);
+    const auto k = stored_as<S>(random_vector(std::size_t(Hkv * Skv * D), 2)),
+               v = stored_as<S>(random_vector(std::size_t(Hkv * Skv * D), 3));
+    const auto view = [bshd](const auto* data, Index H, Index S_) {
+      return bshd ? qkv::view_bshd(data, 1, S_, H, D) : qkv::view_bhsd(data, 1, H, S_, D);
+    };
+    for (auto _ : state) {
+      qkv::attention(view(q.data(), Hq, 1), view(k.data(), Hkv, Skv), view(v.data(), Hkv, Skv),
+                     bshd ? qkv::view_bshd(out.data(), 1, 1, Hq, D) : qkv::view_bhsd(out.data(), 1, Hq, 1, D),
+                     options);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+  });
+  const double bytes = 2.0 * double(Hkv * Skv * D) * double(element_bytes);
   state.counters["GBps"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GFLOPS"] = benchmark::Counter(2.0 * double(D + D) * double(Skv) * double(Hq) * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(label("fused decode"));
+  state.SetLabel(label((std::string(bshd ? "fused decode bshd " : "fused decode bhsd ") + storage_name(state.range(3))).c_str()));
   set_threads(1);
 }
 
@@ -255,6 +324,11 @@ BENCHMARK(BM_FusedPrefill)
     ->ArgNames({"T", "D", "causal", "threads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_FusedPrefillKV16)
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {1, 2}})
+    ->ArgNames({"T", "D", "storage"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_NaiveEigenPrefill)
     ->ArgsProduct({{512, 1024, 2048, 4096}, {64, 128}})
     ->ArgNames({"T", "D"})
@@ -265,8 +339,8 @@ BENCHMARK(BM_ReferencePrefill)
     ->ArgNames({"T", "D", "causal"})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_FusedDecode)
-    ->ArgsProduct({{2048, 32768}, {1, 2}})
-    ->ArgNames({"Skv", "threads"})
+    ->ArgsProduct({{2048, 32768}, {1, 2}, {0, 1}, {0, 1, 2}})
+    ->ArgNames({"Skv", "threads", "bshd", "storage"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_ReadLoop)

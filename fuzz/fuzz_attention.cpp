@@ -4,7 +4,10 @@
 // dividing Hq or not, Sq and Skv 0..24, D and Dv 0..12), the memory layout (BHSD, BSHD, or either with padded
 // strides), every `AttentionOptions` field, the backend, how values are drawn and at most one corruption from an
 // enumerated list; the bytes after the header place special values (±∞, NaN, denormals, ±0, 1e15) into q, k, v
-// and bias. The harness decides validity itself, from docs/design.md's rules, before calling:
+// and bias. A storage flag (header byte kFieldStorage, bit 3; bit 4 picks bfloat16 over half) rounds k and v to 16 bits
+// and runs the call through qkv::attention's 16-bit overloads (issue 16): every oracle then reads the rounded values,
+// which are exactly what the 16-bit K/V hold (a value past half's range rounds to ±∞, a tiny one to 0 or a subnormal).
+// The harness decides validity itself, from docs/design.md's rules, before calling:
 //   - an invalid call (a corruption, Hq % Hkv ≠ 0 or D = 0) must throw qkv::shape_error, nothing else, and leave
 //     out and lse untouched;
 //   - a valid call must not throw, must write every element of out (and lse) and nothing between them, and:
@@ -118,7 +121,7 @@ enum Field : int {
   kFieldSeed2,
   kFieldSeed3,
   kFieldSpecials,
-  kFieldReserved,
+  kFieldStorage,  // bit 3: K and V stored in 16 bits; bit 4: bfloat16, else half (other bits unused)
   kHeaderBytes
 };
 
@@ -127,6 +130,27 @@ constexpr std::array<float, 12> kSpecialValues = {0.0f,    -0.0f, kInf,   -kInf,
 constexpr std::array<float, 8> kScales = {0.0f, 0.5f, 1.0f, -1.0f, 1e-3f, 30.0f, 1e3f, 0.125f};  // after "unset"
 constexpr std::array<float, 4> kSoftcaps = {1.0f, 5.0f, 30.0f, 1e-3f};                           // after "off"
 constexpr std::array<float, 4> kMagnitudes = {1.0f, 1e-20f, 1e5f, 1e15f};
+
+/// How K and V are stored (kFieldStorage). Float is the value 0 of the field, and every committed input whose field
+/// is not 0 (regression_out_overlaps_q: 0x03, regression_varlen_dv_zero_reference: 0xe6) has bit 3 clear, so the
+/// corpus keeps its meaning.
+enum class Storage { float32, half, bfloat16 };
+
+Storage decode_storage(std::uint8_t byte) {
+  if ((byte & 0x08) == 0) return Storage::float32;
+  return (byte & 0x10) != 0 ? Storage::bfloat16 : Storage::half;
+}
+
+const char* storage_name(Storage storage) {
+  return storage == Storage::half ? "half" : storage == Storage::bfloat16 ? "bfloat16" : "float";
+}
+
+/// x rounded to the storage type and widened back (exactly): the value a 16-bit K/V holds.
+float round_to(Storage storage, float x) {
+  if (storage == Storage::half) return static_cast<float>(Eigen::half(x));
+  if (storage == Storage::bfloat16) return static_cast<float>(Eigen::bfloat16(x));
+  return x;
+}
 
 /// Corruptions: each makes a valid call invalid by breaking exactly the rule it names (other rules may break too
 /// as a consequence, which still means shape_error). 0 = none.
@@ -214,6 +238,14 @@ void make_layout(Tensor4& t, std::array<Index, 4> extents, int layout, float gap
   t.dense.assign(static_cast<std::size_t>(t.size()), 0.0f);
 }
 
+/// Every element of `x` converted to S.
+template <class S>
+std::vector<S> converted(const std::vector<float>& x) {
+  std::vector<S> result(x.size());
+  for (std::size_t n = 0; n < x.size(); ++n) result[n] = S(x[n]);
+  return result;
+}
+
 void scatter(Tensor4& t) {
   for (Index b = 0; b < t.extents[0]; ++b)
     for (Index h = 0; h < t.extents[1]; ++h)
@@ -292,6 +324,10 @@ struct Call {
   MaskTensor<float> corrupt_bias;
   int corruption = kNone;
   bool shape_valid = true;  // Hq % Hkv == 0 and D ≥ 1
+  Storage storage = Storage::float32;
+  // With 16-bit storage: k's and v's buffers (gaps included) converted, exactly, from the rounded float buffers.
+  std::vector<Eigen::half> k_half, v_half;
+  std::vector<Eigen::bfloat16> k_bfloat16, v_bfloat16;
 };
 
 Index decode_length(std::uint8_t byte) {
@@ -511,10 +547,26 @@ void decode(const std::uint8_t* data, std::size_t size, Call& c) {
         }
   }
 
+  // 16-bit storage: k and v rounded (after the special values and the poison, which round too); the oracles read
+  // these rounded values, the call reads the same values in 16 bits.
+  c.storage = decode_storage(h[kFieldStorage]);
+  if (c.storage != Storage::float32) {
+    for (float& x : c.k.dense) x = round_to(c.storage, x);
+    for (float& x : c.v.dense) x = round_to(c.storage, x);
+  }
+
   scatter(c.q);
   scatter(c.k);
   scatter(c.v);
   scatter(c.out);
+  // The 16-bit buffers: exact conversions (the elements are rounded, the gaps NaN).
+  if (c.storage == Storage::half) {
+    c.k_half = converted<Eigen::half>(c.k.buffer);
+    c.v_half = converted<Eigen::half>(c.v.buffer);
+  } else if (c.storage == Storage::bfloat16) {
+    c.k_bfloat16 = converted<Eigen::bfloat16>(c.k.buffer);
+    c.v_bfloat16 = converted<Eigen::bfloat16>(c.v.buffer);
+  }
   c.q_view = qkv::TensorView4<const float>(c.q.buffer.data(), c.q.extents, c.q.strides);
   c.k_view = qkv::TensorView4<const float>(c.k.buffer.data(), c.k.extents, c.k.strides);
   c.v_view = qkv::TensorView4<const float>(c.v.buffer.data(), c.v.extents, c.v.strides);
@@ -825,7 +877,7 @@ std::string describe(const Call& c) {
                   std::to_string(static_cast<int>(o.alignment)) + " window " + std::to_string(o.window_left) + "," +
                   std::to_string(o.window_right) + " global " + std::to_string(o.global_tokens) + " allowed " +
                   std::to_string(c.has_allowed) + " bias " + std::to_string(c.has_bias) + " lse " +
-                  std::to_string(c.want_lse) + "\n  key_lengths";
+                  std::to_string(c.want_lse) + " K/V " + storage_name(c.storage) + "\n  key_lengths";
   for (Index x : o.key_lengths) s += " " + std::to_string(x);
   s += "\n  cu_seqlens_q";
   for (Index x : o.cu_seqlens_q) s += " " + std::to_string(x);
@@ -1005,7 +1057,7 @@ void check_valid_call(const Call& c) {
   if (!(error <= allowed)) {
     fail("output error " + std::to_string(error) + " exceeds " + std::to_string(allowed) + " (plain float error " +
          std::to_string(plain_error) + ", max|V| " + std::to_string(max_abs_v) + ", backend " +
-         std::to_string(static_cast<int>(o.backend)) + "); worst row " + worst);
+         std::to_string(static_cast<int>(o.backend)) + ", " + storage_name(c.storage) + " K/V); worst row " + worst);
   }
   // The same rule for lse, relative to max(1, |lse|) (the harness's own reading: docs/design.md states it for out).
   const double lse_allowed = reference ? 1e-6 : 2 * plain_lse_error + 1e-6;
@@ -1014,12 +1066,13 @@ void check_valid_call(const Call& c) {
   }
 }
 
-/// The packed Eigen entry point on the same call (B = 1, BSHD without gaps: Q is Sq × Hq·D): the same bits.
-void check_packed(const Call& c) {
+/// The packed Eigen entry point on the same call (B = 1, BSHD without gaps: Q is Sq × Hq·D), with K and V stored as S
+/// (float, or the call's 16-bit buffers): the same bits.
+template <class S>
+void check_packed(const Call& c, const S* k_buffer, const S* v_buffer) {
   if (c.B != 1 || c.Hq < 1 || c.layout != 1) return;
-  using Map = Eigen::Map<const qkv::Matrix<float>>;
-  const Map Q(c.q.buffer.data(), c.Sq, c.Hq * c.D), K(c.k.buffer.data(), c.Skv, c.Hkv * c.D),
-      V(c.v.buffer.data(), c.Skv, c.Hkv * c.Dv);
+  const Eigen::Map<const qkv::Matrix<float>> Q(c.q.buffer.data(), c.Sq, c.Hq * c.D);
+  const Eigen::Map<const qkv::Matrix<S>> K(k_buffer, c.Skv, c.Hkv * c.D), V(v_buffer, c.Skv, c.Hkv * c.Dv);
   qkv::Matrix<float> O;
   try {
     O = qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{c.Hq, c.Hkv}, c.options);
@@ -1033,9 +1086,41 @@ void check_packed(const Call& c) {
         const float a = O(i, h * c.Dv + d), b = c.out.buffer[static_cast<std::size_t>(c.out.offset(0, h, i, d))];
         if (!same_bits(a, b) && !(std::isnan(a) && std::isnan(b))) {
           fail("scaled_dot_product_attention differs from attention at row " + std::to_string(i) + " head " +
-               std::to_string(h));
+               std::to_string(h) + " (" + storage_name(c.storage) + " K/V)");
         }
       }
+}
+
+void check_packed(const Call& c) {
+  if (c.storage == Storage::half) {
+    check_packed(c, c.k_half.data(), c.v_half.data());
+  } else if (c.storage == Storage::bfloat16) {
+    check_packed(c, c.k_bfloat16.data(), c.v_bfloat16.data());
+  } else {
+    check_packed(c, c.k.buffer.data(), c.v.buffer.data());
+  }
+}
+
+/// A view of the 16-bit copy `storage` of `buffer` with the extents and strides of `view` (a view into `buffer`, or a
+/// corrupted one: the same offset into the copy, or null).
+template <class S>
+qkv::TensorView4<const S> in_storage(const qkv::TensorView4<const float>& view, const std::vector<float>& buffer,
+                                     const std::vector<S>& storage) {
+  const S* data = view.data() == nullptr ? nullptr : storage.data() + (view.data() - buffer.data());
+  return qkv::TensorView4<const S>(data, view.extents(), view.strides());
+}
+
+/// qkv::attention on the call's views, K and V stored as S (in `k_storage`, `v_storage`, copies of k's and v's
+/// buffers), with or without lse.
+template <class S>
+void attention_16(Call& c, const std::vector<S>& k_storage, const std::vector<S>& v_storage) {
+  const qkv::TensorView4<const S> k = in_storage(c.k_view, c.k.buffer, k_storage),
+                                  v = in_storage(c.v_view, c.v.buffer, v_storage);
+  if (c.want_lse) {
+    qkv::attention(c.q_view, k, v, c.out_view, c.lse_view, c.options);
+  } else {
+    qkv::attention(c.q_view, k, v, c.out_view, c.options);
+  }
 }
 
 void run(const std::uint8_t* data, std::size_t size) {
@@ -1051,7 +1136,11 @@ void run(const std::uint8_t* data, std::size_t size) {
   const std::vector<float> q_before = c.q.buffer, out_before = c.out.buffer, lse_before = c.lse_buffer;
   bool threw = false;
   try {
-    if (c.want_lse) {
+    if (c.storage == Storage::half) {
+      attention_16(c, c.k_half, c.v_half);
+    } else if (c.storage == Storage::bfloat16) {
+      attention_16(c, c.k_bfloat16, c.v_bfloat16);
+    } else if (c.want_lse) {
       qkv::attention<float>(c.q_view, c.k_view, c.v_view, c.out_view, c.lse_view, c.options);
     } else {
       qkv::attention<float>(c.q_view, c.k_view, c.v_view, c.out_view, c.options);
@@ -1152,6 +1241,46 @@ void write_seeds(const std::string& directory) {
     emit("corruption_" + std::to_string(corruption), with({{kFieldCorruption, 3 * (corruption - 1) + 2},
                                                            {kFieldCorruptionParameter, corruption},
                                                            {kFieldB, corruption % 2}}));
+  }
+  // 16-bit K and V (kFieldStorage: 0x08 half, 0x18 bfloat16).
+  constexpr int kHalf = 0x08, kBFloat16 = 0x18;
+  emit("storage_half", with({{kFieldStorage, kHalf}, {kFieldLse, 1}}));
+  emit("storage_bfloat16", with({{kFieldStorage, kBFloat16}, {kFieldLse, 1}}));
+  emit("storage_half_backend_reference", with({{kFieldStorage, kHalf}, {kFieldBackend, 2}, {kFieldLse, 1}}));
+  emit("storage_bfloat16_backend_fused", with({{kFieldStorage, kBFloat16}, {kFieldBackend, 1}, {kFieldLse, 1}}));
+  emit(
+      "storage_half_gqa_bshd_packed",  // B = 1, dense BSHD: the packed Eigen entry point is checked too
+      with(
+          {{kFieldStorage, kHalf}, {kFieldLayout, 1}, {kFieldHq, 3}, {kFieldHkv, 1}, {kFieldSq, 16}, {kFieldSkv, 26}}));
+  emit("storage_bfloat16_padded_layout",
+       with({{kFieldStorage, kBFloat16}, {kFieldLayout, 7}, {kFieldB, 1}, {kFieldHq, 3}}));
+  // k: 65504 (half's largest), 1e15 and −2.5e7 (±∞ in half), 1e-45 (0 in half); v: NaN.
+  emit("storage_half_specials", with({{kFieldStorage, kHalf}, {kFieldSpecials, 5}}),
+       {1, 0, 3, 10, 1, 0, 9, 7, 1, 0, 21, 11, 1, 0, 14, 9, 2, 0, 5, 4});
+  emit("storage_half_magnitudes", with({{kFieldStorage, kHalf}, {kFieldMagnitude, 128 | (2 << 2) | (1 << 4)}}));
+  emit("storage_bfloat16_magnitudes", with({{kFieldStorage, kBFloat16}, {kFieldMagnitude, 128 | (3 << 2) | (2 << 4)}}));
+  emit("storage_half_poison", with({{kFieldStorage, kHalf},
+                                    {kFieldCausal, 1},
+                                    {kFieldSq, 3},
+                                    {kFieldSkv, 16},
+                                    {kFieldWindowLeft, 3},
+                                    {kFieldPoison, 5}}));
+  emit("storage_bfloat16_varlen",
+       with({{kFieldStorage, kBFloat16}, {kFieldVarlen, 6}, {kFieldSq, 20}, {kFieldSkv, 24}, {kFieldCausal, 1}}));
+  emit("storage_half_masks", with({{kFieldStorage, kHalf},
+                                   {kFieldAllowed, 1 | (1 << 5)},
+                                   {kFieldBias, 1 | (1 << 5)},
+                                   {kFieldKeyLengths, 1},
+                                   {kFieldB, 1},
+                                   {kFieldPoison, 3}}));
+  emit("storage_bfloat16_alibi_sinks_softcap",
+       with({{kFieldStorage, kBFloat16}, {kFieldAlibi, 1}, {kFieldSinks, 1}, {kFieldSoftcap, 2}, {kFieldCausal, 3}}));
+  for (int corruption : {int(kKHeadDimMismatch), int(kVSequenceMismatch), int(kKNegativeStride), int(kLseWrongExtent),
+                         int(kOutOverlapsQ), int(kWindowLeftBelowMinusOne)}) {
+    emit("storage_16_corruption_" + std::to_string(corruption),
+         with({{kFieldStorage, corruption % 2 ? kHalf : kBFloat16},
+               {kFieldCorruption, 3 * (corruption - 1) + 2},
+               {kFieldCorruptionParameter, corruption}}));
   }
   std::fprintf(stderr, "fuzz_attention: wrote %d seeds into %s\n", written, directory.c_str());
 }

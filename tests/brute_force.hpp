@@ -9,6 +9,7 @@
 // [cu_seqlens_q[s], cu_seqlens_q[s+1]) of q and [cu_seqlens_k[s], cu_seqlens_k[s+1]) of k and v.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -53,6 +54,12 @@ struct Params : Shape {
   std::vector<double> alibi_slopes;              // size Hq or empty
   std::vector<double> sinks;                     // size Hq or empty
   std::vector<long> cu_seqlens_q, cu_seqlens_k;  // size B+1 each (varlen, B = 1 in the views) or empty
+  // Global positions: the views hold global queries [q_begin, q_begin + Sq) and keys [k_begin, k_begin + Skv) of a
+  // sequence of sq queries and skv keys; key_lengths are then global lengths.
+  struct GlobalPositions {
+    long q_begin = 0, k_begin = 0, sq = 0, skv = 0;
+  };
+  std::optional<GlobalPositions> global_positions;
 };
 
 struct Result {
@@ -75,9 +82,13 @@ void for_each_row(const Shape& shape, Visit visit) {
 }
 
 /// One sequence of a call: batch entry `b` of the views, the rows [q0, q0 + sq) of q and [k0, k0 + skv) of k and v
-/// that it owns, and skv = Skv_b, its key count after key padding.
+/// that it owns, and skv = Skv_b, its key count after key padding. With global positions, `global` is set, skv counts
+/// the view's keys that the (global) padding lets through, `diag_offset` places the diagonal in the view's key rows
+/// (diag(i) = i + diag_offset) and `k_begin` is the global position of key row 0 (for the global tokens).
 struct Sequence {
   long b = 0, q0 = 0, k0 = 0, sq = 0, skv = 0;
+  bool global = false;
+  long diag_offset = 0, k_begin = 0;
 };
 
 /// The sequences of a call in the views' order: one per batch entry, or one per varlen sequence (B = 1).
@@ -90,13 +101,27 @@ inline std::vector<Sequence> sequences(const Params& p) {
     }
     return result;
   }
-  for (long b = 0; b < p.B; ++b)
+  for (long b = 0; b < p.B; ++b) {
+    if (p.global_positions) {
+      // Global query q_begin + i and global key k_begin + j; the diagonal and padding are global.
+      const Params::GlobalPositions& g = *p.global_positions;
+      const long skv_b = p.key_lengths.empty() ? g.skv : p.key_lengths[static_cast<std::size_t>(b)];
+      Sequence s{b, 0, 0, p.Sq, std::max(0L, std::min(p.Skv, skv_b - g.k_begin))};
+      s.global = true;
+      s.diag_offset = g.q_begin - g.k_begin + (p.alignment == Alignment::bottom_right ? skv_b - g.sq : 0);
+      s.k_begin = g.k_begin;
+      result.push_back(s);
+      continue;
+    }
     result.push_back({b, 0, 0, p.Sq, p.key_lengths.empty() ? p.Skv : p.key_lengths[static_cast<std::size_t>(b)]});
+  }
   return result;
 }
 
-/// The causal diagonal of query i of sequence s: i + (Skv_b − Sq_b) bottom-right, i top-left.
+/// The causal diagonal of query i of sequence s: i + (Skv_b − Sq_b) bottom-right, i top-left (with global
+/// positions: the global diagonal of global query q_begin + i, less k_begin, so that it compares with view rows j).
 inline long diag(const Params& p, const Sequence& s, long i) {
+  if (s.global) return i + s.diag_offset;
   return p.alignment == Alignment::bottom_right ? i + (s.skv - s.sq) : i;
 }
 
@@ -107,7 +132,7 @@ inline bool visible(const Params& p, const Sequence& s, long h, long i, long j) 
   if (j < 0 || j >= s.skv) return false;
   const long d = diag(p, s, i);
   if (p.causal && j > d) return false;
-  if (j >= p.global_tokens) {
+  if (s.k_begin + j >= p.global_tokens) {  // global tokens are global key positions
     if (p.window_left >= 0 && j < d - p.window_left) return false;
     if (p.window_right >= 0 && j > d + p.window_right) return false;
   }

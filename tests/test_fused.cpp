@@ -6,6 +6,12 @@
 // P·V, all in float: support/plain_float.hpp) + 1e-6·max(1, max|V|); NaN appears exactly where float64 has NaN.
 // A randomized grid over D, Sq, Skv, every option and combinations, GQA groups, BSHD and BHSD strides and varlen
 // batches; the `quick` label runs a slice (the Quick suite), `full` all of it (QKV_FUSED_FULL=1).
+//
+// Every case runs on two kernels against the same float64 and plain float results: the one isa.hpp chose (through
+// qkv::attention) and the kernel instantiated on the emulated 16-lane tag (support/emulated_tag.hpp), so that
+// AVX-512's tile shapes, tails and masks run on any CPU (QKV_SKIP_EMULATED=1 leaves the latter out).
+#include "support/run_fused_with.hpp"  // first: before the qkv headers (support/emulated_tag.hpp says why)
+// The line above must stay before the qkv headers below.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,11 +19,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <new>
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "qkv/attention.hpp"
@@ -35,6 +43,33 @@
 namespace {
 
 using qkv::Index;
+
+/// The kernels every case runs on: the one isa.hpp chose (qkv::attention, Backend::fused) and the fused kernel
+/// instantiated on the emulated 16-lane tag (qkv_test::fused_attention_with: AVX-512's tile shapes on any CPU).
+enum class Kernel { dispatched, emulated16 };
+constexpr Kernel kKernels[] = {Kernel::dispatched, Kernel::emulated16};
+
+const char* kernel_name(Kernel kernel) {
+  return kernel == Kernel::emulated16 ? "emulated 16-lane kernel" : "kernel isa.hpp chose";
+}
+
+/// QKV_SKIP_EMULATED=1 leaves the emulated kernel out: for runs that would repeat another run's emulated cases (it
+/// does not depend on QKV_ISA, and .ci/run runs the suite under several pins) or cannot afford them (valgrind; the
+/// sanitize stage checks its memory accesses with ASan).
+bool skip_emulated() { return std::getenv("QKV_SKIP_EMULATED") != nullptr; }
+
+/// The fused kernel on q, k, v → out (and lse where not null) on the chosen kernel; options.backend must be fused.
+void run_kernel(Kernel kernel, const qkv::TensorView4<const float>& q, const qkv::TensorView4<const float>& k,
+                const qkv::TensorView4<const float>& v, const qkv::TensorView4<float>& out,
+                const qkv::TensorView3<float>* lse, const qkv::AttentionOptions<float>& options) {
+  if (kernel == Kernel::emulated16) {
+    qkv_test::fused_attention_with(qkv_test::Emulated16Tag(), q, k, v, out, lse, options);
+  } else if (lse != nullptr) {
+    qkv::attention(q, k, v, out, *lse, options);
+  } else {
+    qkv::attention(q, k, v, out, options);
+  }
+}
 
 /// A case: its shape (brute::Shape: B, Hq, Hkv, Sq, Skv, D, Dv), layout, options and the storage behind them.
 struct Case : brute::Shape {
@@ -66,7 +101,8 @@ qkv::TensorView4<T> make_view(T* data, Index B, Index H, Index S, Index D, bool 
   return bshd ? qkv::view_bshd(data, B, S, H, D) : qkv::view_bhsd(data, B, H, S, D);
 }
 
-/// Runs one case: fused vs float64 reference vs plain float; asserts the accuracy rule and NaN placement.
+/// Runs one case on both kernels (Kernel): fused vs float64 reference vs plain float, the two computed once; asserts
+/// the accuracy rule and NaN placement for each kernel.
 void check_case(Case& c, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -89,15 +125,14 @@ void check_case(Case& c, unsigned seed) {
     }
   }
   const std::size_t n_out = static_cast<std::size_t>(c.B * c.Hq * q_rows * c.Dv);
-  std::vector<float> fused(n_out, -7.0f), plain(n_out, 0.0f), fused_lse(static_cast<std::size_t>(c.B * c.Hq * q_rows));
+  const std::size_t n_lse = static_cast<std::size_t>(c.B * c.Hq * q_rows);
+  std::vector<float> plain(n_out, 0.0f);
   std::vector<double> qd64(qd.begin(), qd.end()), kd64(kd.begin(), kd.end()), vd64(vd.begin(), vd.end()), ref(n_out),
-      ref_lse(fused_lse.size());
+      ref_lse(n_lse);
   const auto q = make_view<const float>(qd.data(), c.B, c.Hq, q_rows, c.D, c.bshd);
   const auto k = make_view<const float>(kd.data(), c.B, c.Hkv, k_rows, c.D, c.bshd);
   const auto v = make_view<const float>(vd.data(), c.B, c.Hkv, k_rows, c.Dv, c.bshd);
   c.options.backend = qkv::Backend::fused;
-  qkv::attention(q, k, v, make_view(fused.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd),
-                 qkv::TensorView3<float>(fused_lse.data(), {c.B, c.Hq, q_rows}), c.options);
   const brute::Params call = qkv_test::to_brute(c.options, c);  // the call as the support helpers take it
   qkv_test::plain_float(q, k, v, call, make_view(plain.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd), {});
 
@@ -108,22 +143,31 @@ void check_case(Case& c, unsigned seed) {
                  make_view(ref.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd),
                  qkv::TensorView3<double>(ref_lse.data(), {c.B, c.Hq, q_rows}), o64.options);
 
-  double err_fused = 0, err_plain = 0, max_v = 0;
+  double err_plain = 0, max_v = 0;
   for (float x : vd) max_v = std::max(max_v, std::fabs(double(x)));
   for (std::size_t n = 0; n < n_out; ++n) {
-    ASSERT_EQ(std::isnan(fused[n]), std::isnan(ref[n])) << c.describe() << " element " << n;
-    if (std::isnan(ref[n])) continue;
-    err_fused = std::max(err_fused, std::fabs(fused[n] - ref[n]));
-    err_plain = std::max(err_plain, std::fabs(plain[n] - ref[n]));
+    if (!std::isnan(ref[n])) err_plain = std::max(err_plain, std::fabs(plain[n] - ref[n]));
   }
-  EXPECT_LE(err_fused, 2 * err_plain + 1e-6 * std::max(1.0, max_v))
-      << c.describe() << " (fused error " << err_fused << ", plain float error " << err_plain << ")";
-  for (std::size_t n = 0; n < ref_lse.size(); ++n) {
-    if (std::isinf(ref_lse[n])) {
-      EXPECT_EQ(fused_lse[n], float(ref_lse[n])) << c.describe() << " lse " << n;
-    } else if (!std::isnan(ref_lse[n])) {
-      EXPECT_NEAR(fused_lse[n], ref_lse[n], 1e-4 * std::max(1.0, std::fabs(ref_lse[n])))
-          << c.describe() << " lse " << n;
+
+  for (Kernel kernel : kKernels) {
+    if (kernel == Kernel::emulated16 && skip_emulated()) continue;
+    std::vector<float> fused(n_out, -7.0f), fused_lse(n_lse);
+    const qkv::TensorView3<float> fused_lse_view(fused_lse.data(), {c.B, c.Hq, q_rows});
+    run_kernel(kernel, q, k, v, make_view(fused.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd), &fused_lse_view, c.options);
+    const std::string what = c.describe() + " on the " + kernel_name(kernel);
+    double err_fused = 0;
+    for (std::size_t n = 0; n < n_out; ++n) {
+      ASSERT_EQ(std::isnan(fused[n]), std::isnan(ref[n])) << what << " element " << n;
+      if (!std::isnan(ref[n])) err_fused = std::max(err_fused, std::fabs(fused[n] - ref[n]));
+    }
+    EXPECT_LE(err_fused, 2 * err_plain + 1e-6 * std::max(1.0, max_v))
+        << what << " (fused error " << err_fused << ", plain float error " << err_plain << ")";
+    for (std::size_t n = 0; n < n_lse; ++n) {
+      if (std::isinf(ref_lse[n])) {
+        EXPECT_EQ(fused_lse[n], float(ref_lse[n])) << what << " lse " << n;
+      } else if (!std::isnan(ref_lse[n])) {
+        EXPECT_NEAR(fused_lse[n], ref_lse[n], 1e-4 * std::max(1.0, std::fabs(ref_lse[n]))) << what << " lse " << n;
+      }
     }
   }
 }
@@ -192,6 +236,9 @@ Case random_case(std::mt19937& rng, const std::vector<Index>& dims, Index max_le
 /// Sanitizer and valgrind runs set QKV_REDUCED_GRID=1 (their test presets): shorter sequences, fewer trials.
 bool reduced_grid() { return std::getenv("QKV_REDUCED_GRID") != nullptr; }
 
+/// The tile sizes of the emulated 16-lane kernel (AVX-512's), for the tests that aim at its tile edges.
+using Tiles16 = qkv_test::emulated_pass::FusedTiles<qkv_test::Emulated16Tag>;
+
 struct FusedGrid : ::testing::TestWithParam<int> {};
 
 TEST_P(FusedGrid, QuickSlice) {
@@ -235,10 +282,11 @@ TEST(Fused, PrefillInBaseEWhereBase2WouldOverflow) {
 }
 
 TEST(Fused, PrefillRerunInBaseEAfterALateOverflow) {
-  // A bias of 3e38 at one late (row, key), key tile 3 of 3: the base-2 run of the task has already updated every
-  // row's max, sum and output through two key tiles and most strips of the third when the finished score
-  // overflows; the task must start again in base e from a clean state. GQA 2/1 (80 stacked rows), causal, against
-  // the float64 reference under the grid's rule; that row is one-hot on the biased key.
+  // A bias of 3e38 at one late (row, key), in the last key tile (3 of 3 with 256-key tiles, 2 of 2 with 16 lanes'
+  // 512): the base-2 run of the task has already updated every row's max, sum and output through the earlier key
+  // tiles and most strips of the last when the finished score overflows; the task must start again in base e from a
+  // clean state. GQA 2/1 (80 stacked rows), causal, against the float64 reference under the grid's rule; that row is
+  // one-hot on the biased key.
   Case c{{1, 2, 1, 40, 600, 16, 16}};
   c.options.causal = true;
   c.options.alignment = qkv::CausalAlignment::bottom_right;
@@ -259,16 +307,20 @@ TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {
   d.allowed[7] = 0;
   d.options.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(d.allowed.data()), {1, 1, 1, 40});
   d.options.key_lengths = {30};
-  std::vector<float> q(5 * 16, 0.5f), k(40 * 16, 0.25f), v(40 * 16, 1.0f), out(5 * 16, 0.0f);
+  std::vector<float> q(5 * 16, 0.5f), k(40 * 16, 0.25f), v(40 * 16, 1.0f);
   for (Index dd = 0; dd < 16; ++dd) {
     k[static_cast<std::size_t>(7 * 16 + dd)] = v[static_cast<std::size_t>(7 * 16 + dd)] = std::nanf("");
     k[static_cast<std::size_t>(35 * 16 + dd)] = v[static_cast<std::size_t>(35 * 16 + dd)] = std::nanf("");
   }
   d.options.backend = qkv::Backend::fused;
-  qkv::attention(
-      qkv::view_bhsd<const float>(q.data(), 1, 1, 5, 16), qkv::view_bhsd<const float>(k.data(), 1, 1, 40, 16),
-      qkv::view_bhsd<const float>(v.data(), 1, 1, 40, 16), qkv::view_bhsd(out.data(), 1, 1, 5, 16), d.options);
-  for (float x : out) EXPECT_FLOAT_EQ(x, 1.0f);  // mean of the visible (all-one) values
+  for (Kernel kernel : kKernels) {
+    if (kernel == Kernel::emulated16 && skip_emulated()) continue;
+    std::vector<float> out(5 * 16, 0.0f);
+    run_kernel(kernel, qkv::view_bhsd<const float>(q.data(), 1, 1, 5, 16),
+               qkv::view_bhsd<const float>(k.data(), 1, 1, 40, 16), qkv::view_bhsd<const float>(v.data(), 1, 1, 40, 16),
+               qkv::view_bhsd(out.data(), 1, 1, 5, 16), nullptr, d.options);
+    for (float x : out) EXPECT_FLOAT_EQ(x, 1.0f) << kernel_name(kernel);  // mean of the visible (all-one) values
+  }
 }
 
 TEST(Fused, DecodeShapesWithEveryOption) {
@@ -289,6 +341,73 @@ TEST(Fused, DecodeShapesWithEveryOption) {
     }
     check_case(c, static_cast<unsigned>(trial));
     if (HasFailure()) return;
+  }
+}
+
+TEST(Fused, PrefillOfOneQueryTileSplitK) {
+  // A prefill of one query tile (kDecodeRows < Sq·G ≤ kBlockM stacked rows) against more keys than a split-K chunk
+  // (kSplitKeys): its chunks run as tasks of their own, each packed and in base 2, and merge by lse (split_k.hpp).
+  // GQA 1, 2 and 4, D and Dv with tails, key counts that are no multiple of a panel, and by turns no mask, causal
+  // (bottom right, so the last chunk holds the diagonal), a window that hides whole chunks, key padding inside the
+  // last chunk, and ALiBi with sinks; BSHD and BHSD. (Sizes from the 16-lane tiles; the other tags' are the same.)
+  const Index split = Tiles16::kSplitKeys, block_rows = Tiles16::kBlockM, decode_rows = Tiles16::kDecodeRows;
+  struct Shape {
+    Index Hq, Hkv, Sq, Skv, D, Dv;
+  };
+  const Shape shapes[] = {{2, 2, decode_rows + 1, split + 1, 33, 33},
+                          {1, 1, 20, split + 515, 80, 17},
+                          {4, 2, 9, 2 * split + 103, 64, 50},
+                          {4, 1, block_rows / 4, split + 300, 15, 80}};
+  int n = 0;
+  for (int shape = 0; shape < (reduced_grid() ? 2 : 4); ++shape) {  // reduced runs: the two smallest, once each
+    const Shape& s = shapes[shape];
+    for (int turn = 0; turn < (reduced_grid() ? 1 : 3); ++turn, ++n) {
+      const int variant = n % 5;
+      Case c{{1, s.Hq, s.Hkv, s.Sq, s.Skv, s.D, s.Dv}};
+      c.bshd = n % 2 == 1;
+      if (variant == 1) c.options.causal = true;
+      if (variant == 2) c.options.window_left = split / 2, c.options.window_right = 10;
+      if (variant == 3) c.options.key_lengths = {s.Skv - 77};
+      if (variant == 4) {
+        for (Index h = 0; h < s.Hq; ++h) {
+          c.options.alibi_slopes.push_back(std::ldexp(1.0f, -static_cast<int>(h + 4)));
+          c.options.sinks.push_back(0.5f * static_cast<float>(h));
+        }
+      }
+      check_case(c, static_cast<unsigned>(700 + n));
+      if (HasFailure()) return;
+    }
+  }
+}
+
+TEST(Fused, VectorTailsAndTileEdges) {
+  // D and Dv below, at and past a vector (16 lanes; 8 on AVX2), a packed key panel and a value chunk (4 vectors on 16
+  // lanes: 64; 2 on AVX2: 16), so that every count of partial vectors in pv_chunk_tail and the D tails of the decoding
+  // kernels occur; key counts around a panel and a key tile (kBlockN). Each (D, Dv) meets each key count once, by
+  // turns in a prefill (Sq·G = 24: four strips of six rows), a decoding with six rows (row groups of 4 and 2, keys
+  // in sub-blocks) and one with three; causal, a window, key padding and BSHD by turns.
+  const Index panel = Tiles16::kPanel, key_tile = Tiles16::kBlockN;
+  const Index dims[][2] = {{1, 1},   {3, 15},  {16, 17}, {17, 31},   {31, 33},  {48, 49},
+                           {57, 63}, {64, 64}, {65, 80}, {100, 127}, {128, 130}};
+  const Index keys[] = {1, panel - 1, panel + 1, 3 * panel + 5, key_tile + 1, 2 * key_tile - 3};
+  struct Rows {
+    Index Hq, Hkv, Sq;
+  };
+  const Rows rows[] = {{4, 2, 12}, {6, 1, 1}, {2, 2, 3}};  // prefill, decoding with 6 rows, decoding with 3
+  const int stride = reduced_grid() ? 5 : 1;               // reduced runs take every fifth case
+  int n = 0;
+  for (std::size_t i = 0; i < std::size(dims); ++i) {
+    for (std::size_t j = 0; j < std::size(keys); ++j, ++n) {
+      if (n % stride != 0) continue;
+      const Rows& r = rows[(i + j) % std::size(rows)];
+      Case c{{1, r.Hq, r.Hkv, r.Sq, keys[j], dims[i][0], dims[i][1]}};
+      c.bshd = n % 4 == 1;
+      c.options.causal = n % 2 == 0;
+      if (n % 3 == 0) c.options.window_left = 40;
+      if (n % 5 == 2) c.options.key_lengths = {std::max<Index>(0, keys[j] - 7)};
+      check_case(c, static_cast<unsigned>(900 + n));
+      if (HasFailure()) return;
+    }
   }
 }
 
@@ -364,14 +483,15 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
   EXPECT_NEAR(out[0], 1.0f, 1e-6f);
 }
 
-// Every kernel the build compiled (runtime dispatch: scalar, AVX2 and AVX-512 in a plain build), in one binary, each
-// against the reference; a kernel this CPU cannot run is skipped.
+// Every kernel the build compiled (runtime dispatch: scalar, AVX2 and AVX-512 in a plain build) and the emulated
+// 16-lane one, in one binary, each against the reference; a kernel this CPU cannot run is skipped.
 template <class Tag>
 struct FusedPerTag : ::testing::Test {};
 TYPED_TEST_SUITE(FusedPerTag, qkv_test::KernelTags, );
 
 TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
   if (!qkv_test::cpu_runs<TypeParam>()) GTEST_SKIP() << "this CPU cannot run the " << TypeParam::kName << " kernel";
+  if (std::is_same_v<TypeParam, qkv_test::Emulated16Tag> && skip_emulated()) GTEST_SKIP() << "QKV_SKIP_EMULATED is set";
   std::mt19937 rng(31);
   std::normal_distribution<float> normal;
   for (int trial = 0; trial < 12; ++trial) {
@@ -391,7 +511,7 @@ TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
     const auto ov = qkv::view_bhsd(out.data(), 1, Hq, Sq, Dv);
     const auto shape = qkv::detail::validate<float>("test", qv, kv, &vv, &ov, nullptr, o);
     const auto params = qkv::detail::resolve_params(o, D);
-    qkv::detail::run_fused_as(TypeParam(), shape, qv, kv, vv, ov, nullptr, params);
+    qkv_test::run_fused_with(TypeParam(), shape, qv, kv, vv, ov, nullptr, params);
     // Expected: the float64 reference on the same (float) inputs.
     const brute::Params call = qkv_test::to_brute(o, {1, Hq, Hkv, Sq, Skv, D, Dv});
     std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), ref(out.size());
@@ -411,5 +531,62 @@ TYPED_TEST(FusedPerTag, MatchesTheReferenceWithinTheAccuracyRule) {
     EXPECT_LE(err, 2 * err_plain + 1e-6 * std::max(1.0, max_v)) << TypeParam::kName << " trial " << trial;
   }
 }
+
+#if defined(QKV_KERNEL_AVX512)
+/// out followed by lse of one case on the kernel of `tag` (inputs drawn as check_case draws them).
+template <class Tag>
+std::vector<float> fused_result(Tag tag, Case& c, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  const Index q_rows = c.options.cu_seqlens_q.empty() ? c.Sq : c.options.cu_seqlens_q.back();
+  const Index k_rows = c.options.cu_seqlens_k.empty() ? c.Skv : c.options.cu_seqlens_k.back();
+  std::vector<float> q(static_cast<std::size_t>(c.B * c.Hq * q_rows * c.D)),
+      k(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.D)), v(static_cast<std::size_t>(c.B * c.Hkv * k_rows * c.Dv));
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = 2.0f * normal(rng);
+  const std::size_t n_out = static_cast<std::size_t>(c.B * c.Hq * q_rows * c.Dv);
+  std::vector<float> result(n_out + static_cast<std::size_t>(c.B * c.Hq * q_rows), -7.0f);
+  const qkv::TensorView3<float> lse(result.data() + n_out, {c.B, c.Hq, q_rows});
+  c.options.backend = qkv::Backend::fused;
+  qkv_test::fused_attention_with(tag, make_view<const float>(q.data(), c.B, c.Hq, q_rows, c.D, c.bshd),
+                                 make_view<const float>(k.data(), c.B, c.Hkv, k_rows, c.D, c.bshd),
+                                 make_view<const float>(v.data(), c.B, c.Hkv, k_rows, c.Dv, c.bshd),
+                                 make_view(result.data(), c.B, c.Hq, q_rows, c.Dv, c.bshd), &lse, c.options);
+  return result;
+}
+
+// On a CPU with AVX-512, the emulated kernel gives the AVX-512 kernel's bits (out and lse): its ops are avx512.hpp's
+// lane by lane (support/emulated_tag.hpp), so the emulated runs above stand for the AVX-512 kernel's on every CPU.
+// A change to an op of avx512.hpp, or a new one, changes emulated_tag.hpp with it. Random cases of the grid (every
+// option, tails), decoding and split-K shapes. Needs FMA in the build's flags: the emulated kernel's scalar code
+// (the lse, score finishing) is compiled with the flags, the AVX-512 copy with FMA, and a multiply-add contracted in
+// one copy and not in the other would differ in the last bit.
+TEST(FusedEmulated16, BitIdenticalToTheAvx512Kernel) {
+#if !defined(__FMA__)
+  GTEST_SKIP() << "built without FMA: the emulated kernel's scalar code would round where the AVX-512 copy's fuses";
+#else
+  if (!qkv_test::cpu_runs<qkv::simd::Avx512Tag>()) GTEST_SKIP() << "this CPU cannot run the avx512 kernel";
+  if (skip_emulated()) GTEST_SKIP() << "QKV_SKIP_EMULATED is set";
+  std::mt19937 rng(8080);
+  const std::vector<Index> dims = {1, 3, 15, 16, 33, 50, 64, 80, 128};
+  for (int trial = 0; trial < 40; ++trial) {
+    Case c = random_case(rng, dims, trial < 30 ? 700 : 3000);
+    if (trial >= 30) {  // decoding, and a prefill of one query tile, both split-K where Skv > kSplitKeys
+      if (c.options.bias.extent(1) != 0 || !c.options.cu_seqlens_q.empty()) continue;  // shaped for the old Sq
+      c.Sq = trial < 35 ? 1 : 20;
+    }
+    const std::vector<float> avx512 = fused_result(qkv::simd::Avx512Tag(), c, static_cast<unsigned>(trial));
+    const std::vector<float> emulated = fused_result(qkv_test::Emulated16Tag(), c, static_cast<unsigned>(trial));
+    ASSERT_EQ(avx512.size(), emulated.size());
+    for (std::size_t n = 0; n < avx512.size(); ++n) {
+      const bool both_nan = std::isnan(avx512[n]) && std::isnan(emulated[n]);
+      ASSERT_TRUE(both_nan || std::memcmp(&avx512[n], &emulated[n], sizeof(float)) == 0)
+          << c.describe() << ": element " << n << " of out then lse: avx512 " << avx512[n] << ", emulated "
+          << emulated[n];
+    }
+  }
+#endif
+}
+#endif
 
 }  // namespace

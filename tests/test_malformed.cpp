@@ -42,6 +42,18 @@ constexpr std::size_t kRoom = qkv_test::ValidCall::kRoom;  // every buffer's siz
 using Call = qkv_test::ValidCall;  // a valid core call; each row breaks one thing
 using VarlenCall = qkv_test::ValidVarlenCall;
 
+/// The valid core call of ValidCall (q [2, 4, 3, 4], k [2, 2, 5, 4], v [2, 2, 5, 3], out [2, 4, 3, 3], lse [2, 4, 3])
+/// with k and v stored as S (Eigen::half or Eigen::bfloat16): qkv::attention's 16-bit overloads.
+template <class S>
+struct Kv16Call : qkv_test::ValidCall {
+  std::vector<S> k16_data = std::vector<S>(kRoom, S(0.25f)), v16_data = std::vector<S>(kRoom, S(1.0f));
+  TensorView4<const S> k16{k16_data.data(), {B, Hkv, Skv, D}};
+  TensorView4<const S> v16{v16_data.data(), {B, Hkv, Skv, Dv}};
+
+  void run() { qkv::attention(q, k16, v16, out, options); }
+  void run_with_lse() { qkv::attention(q, k16, v16, out, lse, options); }
+};
+
 /// merge_attention_states over [1, 2, 4, 3] states.
 struct MergeCall {
   std::vector<float> a_out = std::vector<float>(kRoom, 1.0f), b_out = std::vector<float>(kRoom, 2.0f),
@@ -463,6 +475,77 @@ std::vector<Row> table() {
       });
   add("sinusoidal_encoding with d_model 0", "qkv::sinusoidal_encoding", "d_model is 0, expected at least 1",
       [] { (void)qkv::sinusoidal_encoding<float>(4, 0); });
+
+  // ---- 16-bit keys and values (issue 16): k and v of Eigen::half or Eigen::bfloat16 with a float q ----------------
+  // The valid call above with k and v stored in 16 bits; each row breaks one thing, checked as for float K/V.
+  add("16-bit K/V: k (half) with head_dim 3, q with head_dim 4", core,
+      "k axis 3 (D) has extent 3, expected 4 (the extent of q axis 3)", [] {
+        Kv16Call<Eigen::half> c;
+        c.k16 = TensorView4<const Eigen::half>(c.k16_data.data(), {2, 2, 5, 3});
+        c.run();
+      });
+  add("16-bit K/V: v (bfloat16) with 4 keys, k with 5", core,
+      "v axis 2 (Skv) has extent 4, expected 5 (the extent of k axis 2)", [] {
+        Kv16Call<Eigen::bfloat16> c;
+        c.v16 = TensorView4<const Eigen::bfloat16>(c.v16_data.data(), {2, 2, 4, 3});
+        c.run();
+      });
+  add("16-bit K/V: k (half) with 3 heads for 4 query heads", core,
+      "q axis 1 (Hq) has extent 4, not a multiple of k axis 1 (Hkv) extent 3", [] {
+        Kv16Call<Eigen::half> c;
+        c.k16 = TensorView4<const Eigen::half>(c.k16_data.data(), {2, 3, 5, 4});
+        c.v16 = TensorView4<const Eigen::half>(c.v16_data.data(), {2, 3, 5, 3});
+        c.run();
+      });
+  add("16-bit K/V: k (half) with innermost stride 2", core, "k axis 3 (D) has stride 2, expected 1", [] {
+    Kv16Call<Eigen::half> c;
+    c.k16 = TensorView4<const Eigen::half>(c.k16_data.data(), {2, 2, 5, 4}, {80, 40, 8, 2});
+    c.run();
+  });
+  add("16-bit K/V: lse with Sq 4, q with Sq 3", core,
+      "lse axis 2 (Sq) has extent 4, expected 3 (the extents of q axes 0-2)", [] {
+        Kv16Call<Eigen::bfloat16> c;
+        c.lse = TensorView3<float>(c.lse_data.data(), {2, 4, 4});
+        c.run_with_lse();
+      });
+  add("16-bit K/V: out on k's (half) memory", core,
+      "out overlaps an input (k): out (288 bytes) starts 0 bytes after the start of k (160 bytes)", [] {
+        Kv16Call<Eigen::half> c;
+        c.out = TensorView4<float>(reinterpret_cast<float*>(c.k16_data.data()), {2, 4, 3, 3});
+        c.run();
+      });
+  add("16-bit K/V: options.window_left = -2", core, "options.window_left is -2, expected -1 (unbounded) or at least 0",
+      [] {
+        Kv16Call<Eigen::bfloat16> c;
+        c.options.window_left = -2;
+        c.run();
+      });
+  add("16-bit K/V: options.key_lengths = {5, 6} with Skv 5", core,
+      "options.key_lengths[1] is 6, expected a length in [0, 5] (k axis 2, Skv)", [] {
+        Kv16Call<Eigen::half> c;
+        c.options.key_lengths = {5, 6};
+        c.run();
+      });
+  add("16-bit K/V, one head: Q 3 × 4, K (half) 5 × 3", sdpa,
+      "K has 3 columns, expected 4 (n_kv_heads 1 × head_dim 4 from Q)", [] {
+        const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 4);
+        const qkv::Matrix<Eigen::half> K = qkv::Matrix<Eigen::half>::Ones(5, 3),
+                                       V = qkv::Matrix<Eigen::half>::Ones(5, 2);
+        (void)qkv::scaled_dot_product_attention(Q, K, V);
+      });
+  add("16-bit K/V, packed: V (bfloat16) with 5 columns, Heads{4, 2}", sdpa,
+      "V has 5 columns, not a multiple of n_kv_heads 2", [] {
+        const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 8);
+        const qkv::Matrix<Eigen::bfloat16> K = qkv::Matrix<Eigen::bfloat16>::Ones(5, 4),
+                                           V = qkv::Matrix<Eigen::bfloat16>::Ones(5, 5);
+        (void)qkv::scaled_dot_product_attention(Q, K, V, qkv::Heads{4, 2});
+      });
+  add("16-bit K/V: attention_weights with K (half) 5 × 8 and head 4 of Heads{4}", "qkv::attention_weights",
+      "head is 4, expected an index in [0, 4)", [] {
+        const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 8);
+        const qkv::Matrix<Eigen::half> K = qkv::Matrix<Eigen::half>::Ones(5, 8);
+        (void)qkv::attention_weights(Q, K, qkv::Heads{4}, 4);
+      });
   return rows;
 }
 

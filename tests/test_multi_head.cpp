@@ -9,7 +9,11 @@
 //   - float64 loops in this file (projections) around tests/brute_force.hpp (attention written from docs/design.md);
 //   - decoding with a KV cache against one causal pass (the equivalence docs/design.md promises);
 //   - RoPE in the module (Config::rope): the whole module in float64 loops here, the rotation written from its formula
-//     (Hugging Face's rotate_half, RoFormer's complex product), never with qkv's own rotation.
+//     (Hugging Face's rotate_half, RoFormer's complex product), never with qkv's own rotation;
+//   - the 16-bit cache (KVCache<float, Eigen::half / Eigen::bfloat16>): roundings worked by hand, Eigen's conversion of
+//     projections made exact in float by construction, one causal pass over those rounded K/V (float and float64),
+//     the float core call on the stored values (bit for bit), and allocation counts
+//     (tests/support/counting_allocator.hpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,14 +26,18 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "brute_force.hpp"
 #include "qkv/multi_head.hpp"
 #include "safetensors.hpp"
+#include "support/counting_allocator.hpp"  // this file is the one translation unit of test_multi_head that includes it
 #include "support/expect_shape_error.hpp"
 #include "support/problem.hpp"
 #include "support/type_lists.hpp"
@@ -1363,5 +1371,396 @@ TEST(MultiHeadRopeDecode, PositionsContinueFromTheCacheLength) {
 }
 
 TEST(MultiHeadFixtures, HostIsLittleEndian) { EXPECT_TRUE(little_endian()); }
+
+// ---- 16-bit KV cache: KVCache<float, Eigen::half> and KVCache<float, Eigen::bfloat16> -------------------------------
+//
+// Expected values: roundings worked by hand from the formats; Eigen's own conversion (round to nearest even) applied
+// here to projections computed in float64 loops (exact in float by construction, below) and rotated by RoPE's formula;
+// one causal pass over the rounded values by `qkv::scaled_dot_product_attention` on their float copies and by the
+// float64 loop `gqa_attention_loop`.
+
+template <class Storage>
+struct Kv16 : ::testing::Test {};
+using Kv16Types = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(Kv16, Kv16Types, );
+
+template <class Storage>
+std::uint16_t bits_of(Storage x) {
+  static_assert(sizeof(Storage) == 2, "a 16-bit storage type");
+  std::uint16_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+/// A module whose projections are exact in float whatever the order of summation: weights and biases are multiples of
+/// 2⁻¹² (U(±1/√d_model) rounded), inputs multiples of 2⁻⁶ in [−1, 1] (`dyadic_input`), so every product is a multiple
+/// of 2⁻¹⁸ and every partial sum is below 2⁴ for d_model ≤ 128: 22 bits, exact in float's 24. Decoding (one row or a
+/// chunk at a time) and the one-pass reference then hold the same float K and V and round them to the same 16 bits.
+qkv::MultiHeadAttention<float> dyadic_module(const qkv::MultiHeadAttention<float>::Config& config, unsigned seed) {
+  auto m = random_module<float>(config, seed);
+  for (auto* w : {&m.W_q, &m.W_k, &m.W_v, &m.W_o}) *w = ((w->array() * 4096.0f).round() / 4096.0f).matrix();
+  for (auto* b : {&m.b_q, &m.b_k, &m.b_v, &m.b_o}) *b = ((b->array() * 4096.0f).round() / 4096.0f).matrix();
+  return m;
+}
+
+Matrix<float> dyadic_input(Index rows, Index cols, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> draw(-64, 64);
+  Matrix<float> X(rows, cols);
+  for (Index i = 0; i < X.size(); ++i) X.data()[i] = static_cast<float>(draw(rng)) / 64.0f;
+  return X;
+}
+
+bool exact_in_float(const Matrix<double>& M) {
+  for (Index i = 0; i < M.size(); ++i)
+    if (static_cast<double>(static_cast<float>(M.data()[i])) != M.data()[i]) return false;
+  return true;
+}
+
+/// One causal pass over the module's K and V rounded to Storage, computed outside the module.
+template <class Storage>
+struct RoundedPass {
+  Matrix<float> K, V;        ///< the projections (K rotated with Config::rope) in float, before rounding
+  Matrix<Storage> K16, V16;  ///< K and V rounded once with Eigen's conversion: what a cache must hold
+  Matrix<double> Y;          ///< the float pass: scaled_dot_product_attention on K16, V16 widened, then ·W_o + b_o
+  Matrix<double> Y_float64;  ///< the float64 loop on the same rounded values
+};
+
+template <class Storage>
+RoundedPass<Storage> rounded_pass(const qkv::MultiHeadAttention<float>& m, const Matrix<float>& X) {
+  const Index Hq = m.n_heads(), Hkv = m.n_kv_heads(), D = m.head_dim();
+  const Weights w = weights_of(m);
+  const Matrix<double> Xd = X.cast<double>();
+  Matrix<double> Q = linear(Xd, w.W_q, w.b_q), K = linear(Xd, w.W_k, w.b_k);
+  const Matrix<double> V = linear(Xd, w.W_v, w.b_v);
+  EXPECT_TRUE(exact_in_float(Q) && exact_in_float(K) && exact_in_float(V)) << "the test needs exact projections";
+  if (m.config().rope) {
+    Q = rope_by_formula(Q, Hq, D, 0, *m.config().rope);
+    K = rope_by_formula(K, Hkv, D, 0, *m.config().rope);
+  }
+  RoundedPass<Storage> r;
+  const Matrix<float> Q_float = Q.cast<float>();
+  r.K = K.cast<float>();
+  r.V = V.cast<float>();
+  r.K16 = r.K.template cast<Storage>();
+  r.V16 = r.V.template cast<Storage>();
+  const Matrix<float> K_rounded = r.K16.template cast<float>(), V_rounded = r.V16.template cast<float>();
+  qkv::AttentionOptions<float> causal;
+  causal.causal = true;
+  const Matrix<float> O = qkv::scaled_dot_product_attention(Q_float, K_rounded, V_rounded, qkv::Heads{Hq, Hkv}, causal);
+  r.Y = linear(O.cast<double>(), w.W_o, w.b_o);
+  r.Y_float64 = linear(
+      gqa_attention_loop(Q_float.cast<double>(), K_rounded.cast<double>(), V_rounded.cast<double>(), Hq, Hkv, D, true),
+      w.W_o, w.b_o);
+  return r;
+}
+
+/// Feeds X through forward(X_new, cache) in chunks of the given sizes (cycled); returns the stacked outputs.
+template <class Storage>
+Matrix<float> decode_into(const qkv::MultiHeadAttention<float>& m, const Matrix<float>& X,
+                          const std::vector<Index>& chunks, qkv::KVCache<float, Storage>& cache) {
+  Matrix<float> Y(X.rows(), m.d_model());
+  Index t = 0;
+  for (std::size_t c = 0; t < X.rows(); ++c) {
+    const Index n = std::min(chunks[c % chunks.size()], X.rows() - t);
+    Y.middleRows(t, n) = m.forward(X.middleRows(t, n), cache);
+    t += n;
+    EXPECT_EQ(cache.length(), t);
+  }
+  return Y;
+}
+
+/// Entries of a [1, Hkv, T, D] cache view whose bits differ from the packed-heads matrix M (T × Hkv·D).
+template <class Storage>
+Index differing_entries(const qkv::TensorView4<const Storage>& cached, const Matrix<Storage>& M) {
+  EXPECT_EQ(cached.extent(2), M.rows());
+  EXPECT_EQ(cached.extent(1) * cached.extent(3), M.cols());
+  Index differing = 0;
+  const Index D = cached.extent(3);
+  for (Index h = 0; h < cached.extent(1); ++h)
+    for (Index j = 0; j < std::min(cached.extent(2), M.rows()); ++j)
+      for (Index d = 0; d < D; ++d) differing += bits_of(cached(0, h, j, d)) != bits_of(M(j, h * D + d));
+  return differing;
+}
+
+// The cache's types and memory: keys() and values() view Storage; a 16-bit cache allocates two bytes per element of K
+// and V, once (float: four); append allocates nothing; and a decoding step over 4095 cached tokens reads the 16-bit
+// memory in place: it allocates less than a quarter of the float size of the cached K and V (no widening copy).
+TYPED_TEST(Kv16, HoldsTwoBytesPerElement) {
+  using Storage = TypeParam;
+  using Cache = qkv::KVCache<float, Storage>;
+  static_assert(sizeof(Storage) == 2);
+  static_assert(std::is_same_v<qkv::KVCache<float>, qkv::KVCache<float, float>>);
+  static_assert(std::is_same_v<decltype(std::declval<const Cache&>().keys()), qkv::TensorView4<const Storage>>);
+  static_assert(std::is_same_v<decltype(std::declval<const Cache&>().values()), qkv::TensorView4<const Storage>>);
+  static_assert(std::is_same_v<typename Cache::storage_type, Storage> &&
+                std::is_same_v<typename Cache::scalar_type, float>);
+  const Index d_model = 128, Hq = 8, Hkv = 2, D = 16, capacity = 1000;
+  const auto m = random_module<float>(make_config<float>(d_model, Hq, Hkv), 81);
+  static_assert(std::is_same_v<decltype(m.make_cache(capacity)), qkv::KVCache<float>>);
+  static_assert(std::is_same_v<decltype(m.make_cache<Storage>(capacity)), Cache>);
+  if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
+
+  const std::size_t elements = static_cast<std::size_t>(Hkv * capacity * D);  // of K, and of V
+  std::optional<Cache> cache;
+  const qkv_test::AllocationCount made =
+      qkv_test::count_allocations([&] { cache.emplace(m.make_cache<Storage>(capacity)); });
+  EXPECT_EQ(made.bytes, 2 * elements * 2);  // K and V, two bytes per element
+  EXPECT_EQ(made.largest, elements * 2);
+  std::optional<qkv::KVCache<float>> float_cache;
+  const qkv_test::AllocationCount made_float =
+      qkv_test::count_allocations([&] { float_cache.emplace(m.make_cache(capacity)); });
+  EXPECT_EQ(made_float.bytes, 2 * elements * 4);  // the float cache: four
+  EXPECT_EQ(made.bytes * 2, made_float.bytes);
+
+  const Matrix<float> K = random_matrix<float>(3, Hkv * D, 82), V = random_matrix<float>(3, Hkv * D, 83);
+  EXPECT_EQ(qkv_test::count_allocations([&] { cache->append(K, V); }).bytes, 0u);
+  EXPECT_EQ(cache->length(), 3);
+
+  // A long cache, filled by append (rounded), then one decoding step through the module.
+  const Index L = 4096;
+  Cache long_cache = m.make_cache<Storage>(L);
+  long_cache.append(random_matrix<float>(L - 1, Hkv * D, 84), random_matrix<float>(L - 1, Hkv * D, 85));
+  const Matrix<float> x = random_matrix<float>(1, d_model, 86);
+  Matrix<float> y;
+  const qkv_test::AllocationCount step = qkv_test::count_allocations([&] { y = m.forward(x, long_cache); });
+  EXPECT_EQ(long_cache.length(), L);
+  ASSERT_TRUE(y.allFinite());
+  const std::size_t float_kv_bytes = 2 * static_cast<std::size_t>(Hkv * L * D) * sizeof(float);
+  EXPECT_LT(step.bytes, float_kv_bytes / 4) << "a decoding step allocated " << step.bytes << " bytes";
+  ::testing::Test::RecordProperty("decode_step_allocated_bytes", static_cast<int>(step.bytes));
+}
+
+// append rounds each float once with Eigen's conversion, to nearest with ties to even; a float above half's largest
+// finite value 65504 (from the tie at 65520 on) becomes ±∞ in half, not in bfloat16; NaN stays NaN; values already of
+// the storage type are copied as they are; slots past length() hold NaN. Expected values worked by hand from the
+// formats: half has 11 significant bits (spacing 2⁻¹⁰ in [1, 2)) and subnormals down to 2⁻²⁴; bfloat16 has 8
+// (spacing 2⁻⁷ in [1, 2)) and float's exponent range.
+TYPED_TEST(Kv16, AppendRoundsOnceToNearestEven) {
+  using Storage = TypeParam;
+  constexpr bool kHalf = std::is_same_v<Storage, Eigen::half>;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float ulp = std::ldexp(1.0f, kHalf ? -10 : -7);  // spacing in [1, 2)
+  struct Case {
+    float in, out;
+  };
+  std::vector<Case> cases = {
+      {1.0f + ulp / 2, 1.0f},                                      // a tie: to the even neighbour, 1
+      {1.0f + 3 * ulp / 2, 1.0f + 2 * ulp},                        // a tie: to the even neighbour, 1 + 2·spacing
+      {1.0f + ulp / 2 + std::ldexp(1.0f, -20), 1.0f + ulp},        // just above the tie: up
+      {-(1.0f + ulp / 2 + std::ldexp(1.0f, -20)), -(1.0f + ulp)},  // symmetric
+      {1.0f + ulp / 2 - std::ldexp(1.0f, -20), 1.0f},              // just below the tie: down
+  };
+  if constexpr (kHalf) {
+    cases.insert(cases.end(), {{65504.0f, 65504.0f},  // half's largest finite value
+                               {65519.0f, 65504.0f},  // below the tie at 65520
+                               {65520.0f, inf},       // the tie rounds to the even 2¹⁶: ∞
+                               {-70000.0f, -inf},
+                               {1e6f, inf},
+                               {std::ldexp(1.0f, -25), 0.0f},  // a tie between 0 and 2⁻²⁴: to 0
+                               {3 * std::ldexp(1.0f, -26), std::ldexp(1.0f, -24)},
+                               {0.1f, 0.0999755859375f}});  // 1638 / 2¹⁴
+  } else {
+    cases.insert(cases.end(), {{65520.0f, 65536.0f},             // spacing 256 in [2¹⁵, 2¹⁶)
+                               {70000.0f, 70144.0f},             // 137 · 512
+                               {-1e6f, -999424.0f},              // 244 · 4096
+                               {1e30f, std::ldexp(202.0f, 92)},  // finite (float's range): 202 · 2⁹²
+                               {0.1f, 0.10009765625f}});         // 205 / 2¹¹
+  }
+  const Index n = static_cast<Index>(cases.size()) + 1;  // the last entry is NaN
+  Matrix<float> K(1, n);
+  for (Index d = 0; d + 1 < n; ++d) K(0, d) = cases[static_cast<std::size_t>(d)].in;
+  K(0, n - 1) = std::numeric_limits<float>::quiet_NaN();
+  qkv::KVCache<float, Storage> cache(3, 1, n);
+  EXPECT_TRUE(Eigen::numext::isnan(cache.keys().data()[0]));  // slots start as NaN
+  cache.append(K, Matrix<float>(-K));
+  for (Index d = 0; d + 1 < n; ++d) {
+    const Case c = cases[static_cast<std::size_t>(d)];
+    EXPECT_EQ(static_cast<float>(cache.keys()(0, 0, 0, d)), c.out) << "key " << c.in;
+    EXPECT_EQ(static_cast<float>(cache.values()(0, 0, 0, d)), -c.out) << "value " << -c.in;
+  }
+  EXPECT_TRUE(Eigen::numext::isnan(cache.keys()(0, 0, 0, n - 1)));
+  EXPECT_TRUE(Eigen::numext::isnan(cache.values()(0, 0, 0, n - 1)));
+  EXPECT_TRUE(Eigen::numext::isnan(cache.keys().data()[n]));  // row 1, past length(): still NaN
+  EXPECT_TRUE(Eigen::numext::isnan(cache.values().data()[2 * n]));
+
+  // Rows already in the storage type are copied bit for bit.
+  Matrix<Storage> K16(1, n), V16(1, n);
+  for (Index d = 0; d < n; ++d) {
+    K16(0, d) = Storage(static_cast<float>(d) * 0.3f - 2.0f);
+    V16(0, d) = Storage(static_cast<float>(d) * -1.7f + 0.5f);
+  }
+  cache.append(K16, V16);
+  ASSERT_EQ(cache.length(), 2);
+  for (Index d = 0; d < n; ++d) {
+    EXPECT_EQ(bits_of(cache.keys()(0, 0, 1, d)), bits_of(K16(0, d)));
+    EXPECT_EQ(bits_of(cache.values()(0, 0, 1, d)), bits_of(V16(0, d)));
+  }
+}
+
+// Decoding from a 16-bit cache token by token, in chunks, prefill then decode, and as one prefill equals one causal
+// pass over the same rounded K/V computed outside the module, within 1e-5·max(1, max|Y|) in float (the float cache's
+// rule); the cache holds exactly Eigen's rounding of the (rotated) projections. GQA 8/2, without RoPE and with both
+// layouts.
+TYPED_TEST(Kv16, DecodingEqualsOneCausalPassOverTheRoundedKeysAndValues) {
+  using Storage = TypeParam;
+  const Index d_model = 128, Hq = 8, Hkv = 2, D = 16, T = 37;
+  const std::vector<std::optional<qkv::RopeOptions>> ropes = {std::nullopt, rope_options(qkv::RopeLayout::rotate_half),
+                                                              rope_options(qkv::RopeLayout::interleaved, 500.0)};
+  for (const auto& rope : ropes) {
+    SCOPED_TRACE(rope ? layout_name(rope->layout) : "no rope");
+    auto config = make_config<float>(d_model, Hq, Hkv, D);
+    config.rope = rope;
+    const auto m = dyadic_module(config, 91);
+    const Matrix<float> X = dyadic_input(T, d_model, 92);
+    const RoundedPass<Storage> pass = rounded_pass<Storage>(m, X);
+    ASSERT_TRUE(pass.Y.allFinite());
+    EXPECT_LE(max_difference(pass.Y, pass.Y_float64), tolerance<float>(max_abs(pass.Y_float64))) << "the float pass";
+    // The rounding is real: most entries of K and V change (the projections carry about 17 significant bits).
+    const Index changed_k = (pass.K16.template cast<float>().array() != pass.K.array()).count();
+    const Index changed_v = (pass.V16.template cast<float>().array() != pass.V.array()).count();
+    EXPECT_GT(changed_k, pass.K.size() / 2);
+    EXPECT_GT(changed_v, pass.V.size() / 2);
+
+    const double bound = 1e-5 * std::max(1.0, max_abs(pass.Y));
+    for (const std::vector<Index>& chunks : {std::vector<Index>{1}, std::vector<Index>{5, 1, 8, 3, 13},
+                                             std::vector<Index>{T - 4, 1}, std::vector<Index>{T}}) {
+      SCOPED_TRACE("chunks of " + std::to_string(chunks.front()) + (chunks.size() > 1 ? ", ..." : ""));
+      auto cache = m.make_cache<Storage>(T);
+      const Matrix<float> Y = decode_into(m, X, chunks, cache);
+      ASSERT_TRUE(Y.allFinite());  // slots start as NaN: a read past length() would show here
+      EXPECT_LE(max_difference(Y, pass.Y), bound);
+      EXPECT_EQ(differing_entries(cache.keys(), pass.K16), 0) << "the cache holds the rounded (rotated) keys";
+      EXPECT_EQ(differing_entries(cache.values(), pass.V16), 0) << "the cache holds the rounded values";
+      ::testing::Test::RecordProperty("decode16_max_difference", scientific(max_difference(Y, pass.Y)));
+    }
+  }
+}
+
+/// What the module handed to the core when decoding from a 16-bit cache: q copied (packed heads), k and v by address.
+template <class Storage>
+struct Observed16 {
+  int calls = 0;
+  Matrix<float> Q;
+  const Storage* k_data = nullptr;
+  const Storage* v_data = nullptr;
+  Index k_heads = 0, k_rows = 0, k_row_stride = 0;
+};
+
+template <class Storage>
+void observe16(const qkv::TensorView4<const float>& q, const qkv::TensorView4<const Storage>& k,
+               const qkv::TensorView4<const Storage>& v, void* context) {
+  auto* seen = static_cast<Observed16<Storage>*>(context);
+  ++seen->calls;
+  const Index H = q.extent(1), rows = q.extent(2), D = q.extent(3);
+  seen->Q.resize(rows, H * D);
+  for (Index h = 0; h < H; ++h)
+    for (Index i = 0; i < rows; ++i)
+      for (Index d = 0; d < D; ++d) seen->Q(i, h * D + d) = q(0, h, i, d);
+  seen->k_data = k.data();
+  seen->v_data = v.data();
+  seen->k_heads = k.extent(1);
+  seen->k_rows = k.extent(2);
+  seen->k_row_stride = k.stride(2);
+}
+
+template <class Storage>
+struct Observer16Guard {  // installs the module's 16-bit test seam for one test and always removes it
+  explicit Observer16Guard(Observed16<Storage>* seen) {
+    qkv::detail::MultiHeadCoreObserver<float, Storage>::callback = &observe16<Storage>;
+    qkv::detail::MultiHeadCoreObserver<float, Storage>::context = seen;
+  }
+  ~Observer16Guard() {
+    qkv::detail::MultiHeadCoreObserver<float, Storage>::callback = nullptr;
+    qkv::detail::MultiHeadCoreObserver<float, Storage>::context = nullptr;
+  }
+};
+
+// Each decoding step hands the core the cache's own 16-bit memory (no widened copy), and its output is, bit for bit,
+// the float call on the stored values widened to float (qkv::attention's promise for 16-bit K/V), projected by W_o and
+// b_o as the module projects: on both backends, through prefill-sized and single-token steps.
+TYPED_TEST(Kv16, DecodingReadsTheCacheInPlaceAndIsTheFloatCallBitForBit) {
+  using Storage = TypeParam;
+  const Index d_model = 64, Hq = 8, Hkv = 2, D = 8, capacity = 40;
+  const auto m = random_module<float>(make_config<float>(d_model, Hq, Hkv), 93);
+  const Matrix<float> X = random_matrix<float>(capacity, d_model, 94);
+  for (const qkv::Backend backend : {qkv::Backend::automatic, qkv::Backend::reference}) {
+    SCOPED_TRACE(backend == qkv::Backend::reference ? "reference" : "automatic");
+    qkv::AttentionOptions<float> options;
+    options.backend = backend;
+    auto cache = m.make_cache<Storage>(capacity);
+    Observed16<Storage> seen;
+    Observer16Guard<Storage> guard(&seen);
+    Index t = 0;
+    int steps = 0;
+    for (const Index n : {Index{17}, Index{1}, Index{1}, Index{5}, Index{1}, Index{15}}) {
+      const Matrix<float> Y = m.forward(X.middleRows(t, n), cache, options);
+      t += n;
+      ASSERT_EQ(seen.calls, ++steps);
+      EXPECT_EQ(seen.k_data, cache.keys().data());
+      EXPECT_EQ(seen.v_data, cache.values().data());
+      EXPECT_EQ(seen.k_heads, Hkv);
+      EXPECT_EQ(seen.k_rows, t);
+      EXPECT_EQ(seen.k_row_stride, D);
+      ASSERT_EQ(seen.Q.rows(), n);
+
+      // The float call on the stored values: K and V widened into dense [1, Hkv, t, D] buffers.
+      std::vector<float> keys, values;
+      for (Index h = 0; h < Hkv; ++h)
+        for (Index j = 0; j < t; ++j)
+          for (Index d = 0; d < D; ++d) {
+            keys.push_back(static_cast<float>(cache.keys()(0, h, j, d)));
+            values.push_back(static_cast<float>(cache.values()(0, h, j, d)));
+          }
+      qkv::AttentionOptions<float> causal = options;
+      causal.causal = true;
+      Matrix<float> O(n, Hq * D);
+      qkv::attention<float>(qkv::view_bshd(static_cast<const float*>(seen.Q.data()), 1, n, Hq, D),
+                            qkv::view_bhsd(static_cast<const float*>(keys.data()), 1, Hkv, t, D),
+                            qkv::view_bhsd(static_cast<const float*>(values.data()), 1, Hkv, t, D),
+                            qkv::view_bshd(O.data(), 1, n, Hq, D), causal);
+      Matrix<float> expected(n, d_model);
+      expected.noalias() = O * m.W_o;
+      expected.rowwise() += m.b_o.transpose();
+      EXPECT_EQ(max_difference(Y, expected.cast<double>()), 0.0) << "step of " << n << " tokens at length " << t;
+    }
+  }
+}
+
+// A 16-bit cache keeps the float cache's errors: a forward past the capacity throws shape_error naming the sizes and
+// leaves the cache as it was (also once it is full), a failing attention call after the append is undone, a cache of
+// other heads is rejected, and append and the constructor check their arguments.
+TYPED_TEST(Kv16, OverflowAndFailedCallsLeaveTheCacheUnchanged) {
+  using Storage = TypeParam;
+  const auto m = random_module<float>(make_config<float>(16, 2), 95);
+  const Matrix<float> X = random_matrix<float>(6, 16, 96);
+  auto cache = m.make_cache<Storage>(5);
+  m.forward(X.topRows(3), cache);
+  expect_shape_error([&] { m.forward(X.middleRows(3, 3), cache); }, {"overflows", "3 of 5", "6 > capacity 5"});
+  EXPECT_EQ(cache.length(), 3);
+  qkv::AttentionOptions<float> bad;
+  bad.scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(m.forward(X.row(3), cache, bad), qkv::shape_error);
+  EXPECT_EQ(cache.length(), 3);
+  const Matrix<float> Y = m.forward(X.middleRows(3, 2), cache);  // fills it
+  ASSERT_TRUE(Y.allFinite());
+  EXPECT_EQ(cache.length(), 5);
+  expect_shape_error([&] { m.forward(X.row(5), cache); },
+                     {"qkv::MultiHeadAttention::forward", "overflows", "5 of 5", "6 > capacity 5"});
+  EXPECT_EQ(cache.length(), 5);
+  auto wrong = qkv::KVCache<float, Storage>(8, 1, 8);
+  expect_shape_error([&] { m.forward(X.row(0), wrong); }, {"1 kv heads", "n_kv_heads 2"});
+  EXPECT_EQ(wrong.length(), 0);
+
+  qkv::KVCache<float, Storage> direct(2, 2, 3);
+  expect_shape_error([&] { direct.append(Matrix<float>(1, 5), Matrix<float>(1, 6)); }, {"K_new", "5", "6"});
+  expect_shape_error([&] { direct.append(Matrix<float>(1, 6), Matrix<float>(2, 6)); }, {"V_new", "2", "1"});
+  expect_shape_error([&] { direct.append(Matrix<float>::Zero(3, 6), Matrix<float>::Zero(3, 6)); },
+                     {"qkv::KVCache::append", "overflows", "0 of 2", "3 > capacity 2"});
+  EXPECT_EQ(direct.length(), 0);
+  expect_shape_error([] { qkv::KVCache<float, Storage>(-1, 2, 3); }, {"capacity", "-1"});
+  expect_shape_error([] { qkv::KVCache<float, Storage>(4, 0, 3); }, {"n_kv_heads", "0"});
+  expect_shape_error([&] { m.make_cache<Storage>(-1); }, {"capacity is -1"});
+}
 
 }  // namespace

@@ -44,14 +44,19 @@ std::optional<std::pair<std::array<Index, 4>, std::vector<double>>> mask_values(
 template <class T>
 auto fields(const qkv::AttentionOptions<T>& o) {
   const auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-               alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage, bias_storage] = o;
+               alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage,
+               bias_storage] = o;
+  const auto positions =
+      global_positions ? std::optional<std::array<Index, 4>>({global_positions->q_begin, global_positions->k_begin,
+                                                              global_positions->sq, global_positions->skv})
+                       : std::nullopt;
   // The storage fields are not values of the call: they keep `allowed` and `bias` alive, whose values are compared.
   // Whether they are set is part of the tuple (from_brute leaves them null: its storage is OwnedOptions').
   return std::make_tuple(scale ? std::optional<double>(*scale) : std::nullopt, static_cast<double>(softcap), causal,
                          alignment, window_left, window_right, global_tokens, key_lengths, mask_values(allowed),
                          mask_values(bias), std::vector<double>(alibi_slopes.begin(), alibi_slopes.end()),
-                         std::vector<double>(sinks.begin(), sinks.end()), cu_seqlens_q, cu_seqlens_k, backend,
-                         allowed_storage != nullptr, bias_storage != nullptr);
+                         std::vector<double>(sinks.begin(), sinks.end()), positions, cu_seqlens_q, cu_seqlens_k,
+                         backend, allowed_storage != nullptr, bias_storage != nullptr);
 }
 
 TEST(Options, EveryFieldSurvivesToBruteAndBack) {
@@ -73,6 +78,7 @@ TEST(Options, EveryFieldSurvivesToBruteAndBack) {
   o.bias = qkv::TensorView4<const float>(bias_data.data(), {1, 2, 3, 5}, {0, 20, 6, 1});
   o.alibi_slopes = {0.5f, 0.25f};
   o.sinks = {1.5f, -kInf};
+  o.global_positions = qkv::GlobalPositions{7, 2, 11, 9};
   o.cu_seqlens_q = {0, 1, 3};
   o.cu_seqlens_k = {0, 2, 5};
   o.backend = qkv::Backend::fused;

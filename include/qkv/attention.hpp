@@ -36,6 +36,10 @@ auto rows_of(const TensorView4<T>& view, Index b, Index h, SequenceRows rows) {
   return slice(view, b, h).middleRows(view.data() == nullptr ? 0 : rows.begin, rows.length);
 }
 
+/// Whether S is a 16-bit storage type for keys and values: Eigen::half (IEEE binary16) or Eigen::bfloat16.
+template <class S>
+inline constexpr bool is_kv16_v = std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
+
 /// Whether the fused kernel serves this call: `automatic` picks it for float, `fused` demands it (and throws
 /// unsupported_error for a scalar type without one: double stays on the reference path), `reference` never.
 template <class T>
@@ -63,10 +67,11 @@ AttentionParams<T> resolve_params(const AttentionOptions<T>& options, Index D) n
   return params;
 }
 
-/// The reference backend over every (sequence, query head).
-template <class T>
-void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, const TensorView4<const T>& k,
-                   const TensorView4<const T>& v, const TensorView4<T>& out, const TensorView3<T>* lse,
+/// The reference backend over every (sequence, query head); K and V stored as S (T, or a 16-bit type whose values
+/// convert exactly to the accumulation type).
+template <class T, class S>
+void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, const TensorView4<const S>& k,
+                   const TensorView4<const S>& v, const TensorView4<T>& out, const TensorView3<T>* lse,
                    const AttentionParams<T>& params) {
   const Index tasks = shape.n_sequences * shape.Hq;
 #if defined(_OPENMP)
@@ -99,12 +104,15 @@ void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, c
 }
 
 /// Validates, picks the backend and runs the call. In the ISA-named inline namespace: its body depends on the
-/// build's ISA through the fused kernel (docs/design.md, ODR safety).
-template <class T>
-void attention_impl(const char* function, const TensorView4<const T>& q, const TensorView4<const T>& k,
-                    const TensorView4<const T>& v, const TensorView4<T>& out, const TensorView3<T>* lse,
+/// build's ISA through the fused kernel (docs/design.md, ODR safety). K and V are stored as S: T, or (T = float) a
+/// 16-bit type.
+template <class T, class S = T>
+void attention_impl(const char* function, const TensorView4<const T>& q, const TensorView4<const S>& k,
+                    const TensorView4<const S>& v, const TensorView4<T>& out, const TensorView3<T>* lse,
                     const AttentionOptions<T>& options) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "qkv: the scalar type must be float or double");
+  static_assert(std::is_same_v<S, T> || (std::is_same_v<T, float> && is_kv16_v<S>),
+                "qkv: 16-bit keys and values (Eigen::half, Eigen::bfloat16) go with a float query and output");
   const AttentionShape shape = validate(function, q, k, &v, &out, lse, options);
   const AttentionParams<T> params = resolve_params(options, shape.D);
   if constexpr (std::is_same_v<T, float>) {
@@ -179,6 +187,48 @@ void attention(non_deduced_t<TensorView4<const T>> q, non_deduced_t<TensorView4<
                non_deduced_t<TensorView4<const T>> v, TensorView4<T> out, TensorView3<T> lse,
                const AttentionOptions<T>& options = AttentionOptions<T>()) {
   detail::attention_impl<T>("qkv::attention", q, k, v, out, &lse, options);
+}
+
+/// Attention with keys and values stored in 16 bits: Eigen::half (IEEE binary16) or Eigen::bfloat16 (a KV cache's
+/// usual storage: half the bytes of float, which is half the time of decoding, bound by reading the cache), with a
+/// float query and output. Same shapes, options, masks, GQA, varlen, threads and NaN rules as the float call, all
+/// on the stored values converted exactly to float: a stored ±∞ or NaN behaves as it would in float, and nothing is
+/// computed or accumulated in 16 bits (q is never rounded). k and v share one storage type; T is deduced from out
+/// and must be float (a static_assert says so).
+/// Storage: round float data with Eigen (`.cast<Eigen::half>()`, or `Eigen::half(x)` per element: round to
+///   nearest even). A float above 65504 in magnitude becomes ±∞ in half (bfloat16 keeps float's range with 8 bits of
+///   precision), so scale such data before storing it.
+/// Backends: the fused kernel converts K and V where it reads them (while packing them for prefill, in registers
+///   when decoding: vcvtph2ps for half, a 16-bit shift for bfloat16); the reference path converts every stored
+///   value exactly to double. Accuracy: as the float call, measured against float64 on the same stored values.
+/// Memory: prefill packs K and V in float (the float size of K and V, as the float call); decoding reads them in
+///   place, two bytes per element, and allocates nothing of their size.
+/// Throws: as the float call. Complexity: as the float call.
+/// Source: llama.cpp's f16 KV cache, FlashAttention's and PyTorch's f16/bf16 K/V (exact widening to float, float
+///   accumulation).
+template <class T, class KE, class VE,
+          std::enable_if_t<std::is_same_v<std::remove_const_t<KE>, std::remove_const_t<VE>> &&
+                               detail::is_kv16_v<std::remove_const_t<KE>>,
+                           int> = 0>
+void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorView4<VE> v, TensorView4<T> out,
+               const AttentionOptions<T>& options = AttentionOptions<T>()) {
+  static_assert(std::is_same_v<T, float>, "qkv: 16-bit keys and values go with a float query and output (T = float)");
+  using S = std::remove_const_t<KE>;
+  detail::attention_impl<T, S>("qkv::attention", q, TensorView4<const S>(k), TensorView4<const S>(v), out, nullptr,
+                               options);
+}
+
+/// As above, and also writes lse [B, Hq, Sq] (natural log, as the float call).
+template <class T, class KE, class VE,
+          std::enable_if_t<std::is_same_v<std::remove_const_t<KE>, std::remove_const_t<VE>> &&
+                               detail::is_kv16_v<std::remove_const_t<KE>>,
+                           int> = 0>
+void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorView4<VE> v, TensorView4<T> out,
+               TensorView3<T> lse, const AttentionOptions<T>& options = AttentionOptions<T>()) {
+  static_assert(std::is_same_v<T, float>, "qkv: 16-bit keys and values go with a float query and output (T = float)");
+  using S = std::remove_const_t<KE>;
+  detail::attention_impl<T, S>("qkv::attention", q, TensorView4<const S>(k), TensorView4<const S>(v), out, &lse,
+                               options);
 }
 
 }  // namespace QKV_ISA_NAME

@@ -43,16 +43,24 @@
 // The best instruction set the compiler flags enable: the build's baseline. QKV_ISA_NAME is the inline namespace that
 // holds every function whose body depends on the flags, so that two translation units built with different -march
 // flags cannot silently share one definition (ODR; docs/design.md, "Runtime dispatch").
-// MSVC defines __AVX2__ and __AVX512*__ for /arch:AVX2 and /arch:AVX512 but never __FMA__, which both imply.
-#if defined(_MSC_VER) && !defined(__clang__) && defined(__AVX2__) && !defined(__FMA__)
+// The AVX2 and AVX-512 kernels also take F16C (vcvtph2ps: 16-bit keys and values converted in registers), which every
+// CPU with AVX2 and FMA has in practice but the flags do not imply. MSVC defines __AVX2__ and __AVX512*__ for
+// /arch:AVX2 and /arch:AVX512 but never __FMA__ or __F16C__, which both imply.
+#if defined(_MSC_VER) && !defined(__clang__) && defined(__AVX2__)
 #define QKV_HAS_FMA_ 1
-#elif defined(__FMA__)
+#define QKV_HAS_F16C_ 1
+#else
+#if defined(__FMA__)
 #define QKV_HAS_FMA_ 1
 #endif
+#if defined(__F16C__)
+#define QKV_HAS_F16C_ 1
+#endif
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
-    defined(QKV_HAS_FMA_)
+    defined(QKV_HAS_FMA_) && defined(QKV_HAS_F16C_)
 #define QKV_ISA_AVX512 1
-#elif defined(__AVX2__) && defined(QKV_HAS_FMA_)
+#elif defined(__AVX2__) && defined(QKV_HAS_FMA_) && defined(QKV_HAS_F16C_)
 #define QKV_ISA_AVX2 1
 #else
 #define QKV_ISA_SCALAR 1
@@ -120,17 +128,17 @@
 // standard and Eigen header before such a region: a declaration inside it takes the target too.
 #if defined(__clang__)
 #define QKV_BEGIN_TARGET_AVX2 \
-  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define QKV_BEGIN_TARGET_AVX512                                                                                       \
   _Pragma(                                                                                                            \
-      "clang attribute push(__attribute__((target(\"avx2,fma,avx512f,avx512bw,avx512dq,avx512vl\"))), apply_to = function)")
+      "clang attribute push(__attribute__((target(\"avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl\"))), apply_to = function)")
 #define QKV_END_TARGET _Pragma("clang attribute pop")
 #elif defined(__GNUC__)
 #define QKV_BEGIN_TARGET_AVX2 \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
 #define QKV_BEGIN_TARGET_AVX512            \
   _Pragma("GCC push_options") _Pragma(     \
-      "GCC target(\"avx2,fma,avx512f,avx512bw,avx512dq,avx512vl\")")
+      "GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl\")")
 #define QKV_END_TARGET _Pragma("GCC pop_options")
 #else
 #define QKV_BEGIN_TARGET_AVX2

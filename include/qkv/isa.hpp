@@ -24,6 +24,10 @@
 
 #include "qkv/config.hpp"
 
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
+#endif
+
 namespace qkv {
 namespace detail {
 
@@ -35,8 +39,17 @@ constexpr const char* isa_string(Isa isa) noexcept {
   return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
 }
 
-/// Whether this CPU, and the OS's saving of its registers, support an instruction set. GCC's and Clang's
-/// `__builtin_cpu_supports` read CPUID and check XGETBV for the AVX and AVX-512 state. Complexity: O(1).
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+/// Whether CPUID reports F16C (leaf 1, ECX bit 29): Clang 14's __builtin_cpu_supports does not know "f16c".
+inline bool cpu_has_f16c() noexcept {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+#endif
+
+/// Whether this CPU, and the OS's saving of its registers, support an instruction set (AVX2 and AVX-512 with FMA and
+/// F16C). GCC's and Clang's `__builtin_cpu_supports` read CPUID and check XGETBV for the AVX and AVX-512 state.
+/// Complexity: O(1).
 inline bool cpu_supports(Isa isa) noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();  // needed before __builtin_cpu_supports when called before static constructors have run
@@ -44,9 +57,10 @@ inline bool cpu_supports(Isa isa) noexcept {
     case Isa::scalar:
       return true;
     case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     case Isa::avx512:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512f") &&
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c() &&
+             __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vl");
   }

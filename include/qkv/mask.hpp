@@ -176,6 +176,11 @@ struct MaskRules {
   TensorView4<const bool> allowed;
   TensorView4<const T> bias;
   const T* alibi_slopes = nullptr;  ///< one per query head, or null
+  /// `options.global_positions` (options.hpp), when set: the call sees global queries [q_begin, q_begin + Sq) and
+  /// keys [k_begin, k_begin + Skv) of a sequence of global.sq queries and global.skv keys.
+  bool has_global_positions = false;
+  GlobalPositions global;
+  const Index* global_key_lengths = nullptr;  ///< with global positions: the global Skv_b per batch entry, or null
 
   /// The rules of `options` for head dimension D.
   static MaskRules of(const AttentionOptions<T>& options, Index D) noexcept {
@@ -187,11 +192,36 @@ struct MaskRules {
     r.allowed = options.allowed;
     r.bias = options.bias;
     r.alibi_slopes = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data();
+    if (options.global_positions) {
+      r.has_global_positions = true;
+      r.global = *options.global_positions;
+      r.global_key_lengths = options.key_lengths.empty() ? nullptr : options.key_lengths.data();
+    }
     return r;
   }
 
-  /// The index rules of a sequence of `sq` queries and `skv` keys.
-  MaskGeometry geometry(Index sq, Index skv) const noexcept { return index_rules.resized(sq, skv, bottom_right); }
+  /// The index rules of batch entry `b` (the view's batch index; varlen calls have no global positions) for a
+  /// sequence of `sq` queries and `skv` keys in the call's own rows: `skv` is the count of the view's keys that
+  /// padding lets through (AttentionShape::key_counts).
+  ///
+  /// With global positions, the geometry is the global one moved to the call's rows: local query i is global query
+  /// q_begin + i and local key j global key k_begin + j, so
+  ///
+  ///     diag_local(i) = diag_global(q_begin + i) − k_begin = i + q_begin − k_begin + (Skv_b − Sq, bottom_right)
+  ///     global_tokens_local = max(0, global_tokens − k_begin)
+  ///
+  /// with Skv_b and Sq global. ALiBi measures |diag(i) − j|, the same in both frames. The window bounds and causal
+  /// rule are relations between diag(i) and j, so they move with it.
+  MaskGeometry geometry(Index b, Index sq, Index skv) const noexcept {
+    if (!has_global_positions) return index_rules.resized(sq, skv, bottom_right);
+    const Index skv_b = global_key_lengths != nullptr ? global_key_lengths[b] : global.skv;
+    MaskGeometry g = index_rules;
+    g.sq = sq;
+    g.skv = skv;
+    g.diag_offset = global.q_begin - global.k_begin + (bottom_right ? skv_b - global.sq : 0);
+    g.global_tokens = std::max<Index>(0, index_rules.global_tokens - global.k_begin);
+    return g;
+  }
 };
 
 /// Everything that turns a dot product into a score, and decides visibility, for one (sequence, query head).
@@ -205,10 +235,11 @@ struct HeadMask {
   Index allowed_row_stride = 0;   ///< 0 when the Sq axis broadcasts
 
   /// The mask of query head `h` of batch entry `b` (the view's batch index) for a sequence of `sq` queries and
-  /// `skv` keys (no varlen row offset: `allowed` and `bias` are not combinable with varlen).
+  /// `skv` keys (no varlen row offset: `allowed` and `bias` are not combinable with varlen); global positions, when
+  /// the options set them, come with `rules` (MaskRules::geometry).
   static HeadMask make(const MaskRules<T>& rules, Index b, Index h, Index sq, Index skv) noexcept {
     HeadMask m;
-    m.geometry = rules.geometry(sq, skv);
+    m.geometry = rules.geometry(b, sq, skv);
     m.scale = rules.scale;
     m.finishing.softcap = rules.softcap;
     if (rules.allowed.data() != nullptr) {

@@ -14,7 +14,8 @@
 // The packed matrices Q, K, V and O are handed to `qkv::attention` as zero-copy [1, H, T, head_dim] views (head
 // stride head_dim, row stride H·head_dim): the G = Hq / Hkv query heads of a group read the same K/V memory.
 // With a `KVCache`, K and V live in the cache as [Hkv, capacity, head_dim] and the core reads its first length()
-// rows in place.
+// rows in place; a float module's cache may hold them in 16 bits (`KVCache<float, Eigen::half>` or
+// `KVCache<float, Eigen::bfloat16>`, rounded once on append), which the core converts exactly to float as it reads.
 //
 // PyTorch's nn.Linear and nn.MultiheadAttention store weights [out, in] (y = x·Wᵀ + b); the `load_pytorch` loaders
 // transpose them. Mapping of nn.MultiheadAttention's arguments onto `AttentionOptions` (one batch entry n):
@@ -60,19 +61,29 @@ namespace qkv {
 
 template <class Scalar>
 class MultiHeadAttention;
+template <class Scalar, class Storage = Scalar>
+class KVCache;
 
 namespace detail {
 
 /// Test seam (internal, not API): when `callback` is set, `MultiHeadAttention` calls it with the q, k and v views it
 /// is about to hand to `qkv::attention`, so a test can check which memory the core reads (GQA reads K/V once per kv
-/// head, no copies). Set it only while no other thread runs the module.
-template <class Scalar>
+/// head, no copies; a 16-bit cache is read in place, not widened). `Storage` is the element type of k and v: Scalar
+/// for every call of a module but decoding from a `KVCache<Scalar, Storage>` with 16-bit storage. Set it only while no
+/// other thread runs the module.
+template <class Scalar, class Storage = Scalar>
 struct MultiHeadCoreObserver {
-  using Callback = void (*)(const TensorView4<const Scalar>& q, const TensorView4<const Scalar>& k,
-                            const TensorView4<const Scalar>& v, void* context);
+  using Callback = void (*)(const TensorView4<const Scalar>& q, const TensorView4<const Storage>& k,
+                            const TensorView4<const Storage>& v, void* context);
   static inline Callback callback = nullptr;
   static inline void* context = nullptr;
 };
+
+/// Whether `Storage` may hold the keys and values of a `KVCache<Scalar, Storage>`: Scalar itself, or (Scalar = float)
+/// one of the 16-bit types `qkv::attention` reads, Eigen::half or Eigen::bfloat16.
+template <class Scalar, class Storage>
+inline constexpr bool is_cache_storage_v = std::is_same_v<Storage, Scalar> ||
+                                           (std::is_same_v<Scalar, float> && is_kv16_v<Storage>);
 
 }  // namespace detail
 
@@ -80,32 +91,61 @@ struct MultiHeadCoreObserver {
 /// cache)`: K and V stored as [Hkv, capacity, head_dim] (one contiguous [capacity, head_dim] block per kv head), of
 /// which the first `length()` rows of each head are filled.
 ///
+/// Storage: `Storage` is the element type the cache holds, `Scalar` (float or double) the module's type, of the keys
+/// and values appended. Storage = Scalar (the default) stores them as they are. A float cache may store them in 16
+/// bits instead, Storage = Eigen::half (IEEE binary16) or Eigen::bfloat16, two bytes per element, half of float's
+/// memory and half the bytes a decoding step reads (`mha.make_cache<Eigen::half>(capacity)`): `append` rounds each
+/// float once, with Eigen's conversion (round to nearest, ties to even); `keys()` and `values()` view the stored
+/// 16-bit values, and decoding reads them in place (`qkv::attention` with 16-bit K/V converts each exactly to float
+/// in the kernel; nothing is computed or accumulated in 16 bits, and the queries are never rounded). A float above
+/// 65504 in magnitude becomes ±∞ in half, which then acts as a stored ±∞ in float K/V would (it may make the rows
+/// that see it ±∞ or NaN): keys and values of that size need bfloat16, which keeps float's range with 8 significant
+/// bits; NaN stays NaN. Any other pair, a double cache with 16-bit storage included, fails to compile (a static_assert
+/// says so).
 /// Shapes: `append` takes packed-heads K_new and V_new (T_new × Hkv·head_dim, head h in columns
 /// [h·head_dim, (h+1)·head_dim), the layout X·W_k + b_k has); `keys()` and `values()` view the filled rows as
-/// [1, Hkv, length, head_dim] with strides {Hkv·capacity·head_dim, capacity·head_dim, head_dim, 1}.
+/// [1, Hkv, length, head_dim] of Storage with strides {Hkv·capacity·head_dim, capacity·head_dim, head_dim, 1}
+/// (in elements).
 /// GQA / MQA: the cache holds n_kv_heads heads, not n_heads: a 32-query / 8-kv-head model stores a quarter of what
 /// multi-head attention would, and every query head of a group reads the same rows.
 /// RoPE: a module with `Config::rope` stores its keys already rotated (row j of each head by the angles of position
-/// j), as Hugging Face Llama and llama.cpp do, so cached keys are never rotated again.
-/// Edge cases: slots past `length()` are never read (they start as NaN, so a read would show); `clear()` keeps the
-/// memory and sets the length to 0; capacity 0 is allowed (nothing can be appended).
+/// j), as Hugging Face Llama and llama.cpp do, so cached keys are never rotated again (a 16-bit cache rounds the
+/// rotated float keys, once).
+/// Edge cases: slots past `length()` are never read (they start as NaN, a quiet NaN of Storage, so a read would
+/// show); `clear()` keeps the memory and sets the length to 0; capacity 0 is allowed (nothing can be appended).
 /// Throws: `shape_error` from the constructor for a negative capacity or head_dim < 1 or n_kv_heads < 1; from
 /// `append` when the column counts are wrong, the row counts of K_new and V_new differ, or length() + T_new exceeds
 /// the capacity (nothing is written then).
-/// Complexity: the constructor allocates 2·Hkv·capacity·head_dim scalars once; `append` copies its rows, O(T_new·Hkv·
-/// head_dim), no allocation; the rest is O(1).
+/// Complexity: the constructor allocates 2·Hkv·capacity·head_dim elements of Storage once
+/// (2·Hkv·capacity·head_dim·sizeof(Storage) bytes: 2 per element for half and bfloat16, 4 for float); `append` copies
+/// (and, for 16-bit storage, rounds) its rows, O(T_new·Hkv·head_dim), no allocation; the rest is O(1).
 /// Thread safety: concurrent reads are safe; `append` and `clear` need exclusive access.
 /// Example: see `MultiHeadAttention::forward(X_new, cache, options)` and README.md, "Multi-head attention and
-/// KV-cache decoding".
+/// KV-cache decoding":
+///
+///     qkv::KVCache<float, Eigen::half> cache = mha.make_cache<Eigen::half>(max_tokens);   // 2 bytes per element
+///     for (qkv::Index t = 0; t < X.rows(); ++t) Y.row(t) = mha.forward(X.row(t), cache);
+///
 /// Source: the KV cache of autoregressive decoding (seed 000 §2.4.6: the cache grows with the kv heads, which is
-/// why GQA / MQA share them); layout as FlashAttention's `k_cache` per head.
-template <class Scalar>
+/// why GQA / MQA share them); layout as FlashAttention's `k_cache` per head; 16-bit storage as llama.cpp's f16 cache
+/// (its default `cache_type_k` / `cache_type_v`) and vLLM's cache in the model's float16 / bfloat16
+/// (`kv_cache_dtype = "auto"`); half is IEEE 754 binary16.
+template <class Scalar, class Storage>
 class KVCache {
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "qkv::KVCache: the scalar type must be float or double");
+  static_assert(detail::is_cache_storage_v<Scalar, Storage>,
+                "qkv::KVCache<Scalar, Storage>: Storage must be Scalar itself, or Eigen::half or Eigen::bfloat16 with "
+                "Scalar = float (16-bit keys and values go with a float module only)");
 
  public:
-  /// An empty cache for `capacity` tokens of `n_kv_heads` key/value heads of `head_dim` features each.
+  /// The module's scalar type: what `append` takes and decoding computes in.
+  using scalar_type = Scalar;
+  /// The element type the cache stores: what `keys()` and `values()` view.
+  using storage_type = Storage;
+
+  /// An empty cache for `capacity` tokens of `n_kv_heads` key/value heads of `head_dim` features each; every slot
+  /// starts as a quiet NaN of Storage. Allocates 2·n_kv_heads·capacity·head_dim·sizeof(Storage) bytes.
   KVCache(Index capacity, Index n_kv_heads, Index head_dim)
       : capacity_(capacity), n_kv_heads_(n_kv_heads), head_dim_(head_dim) {
     const char* function = "qkv::KVCache::KVCache";
@@ -113,8 +153,8 @@ class KVCache {
     detail::check_shape(n_kv_heads >= 1, function, ": n_kv_heads is ", n_kv_heads, ", expected at least 1");
     detail::check_shape(head_dim >= 1, function, ": head_dim is ", head_dim, ", expected at least 1");
     const std::size_t size = static_cast<std::size_t>(n_kv_heads * capacity * head_dim);
-    keys_.assign(size, std::numeric_limits<Scalar>::quiet_NaN());
-    values_.assign(size, std::numeric_limits<Scalar>::quiet_NaN());
+    keys_.assign(size, std::numeric_limits<Storage>::quiet_NaN());
+    values_.assign(size, std::numeric_limits<Storage>::quiet_NaN());
   }
 
   /// Tokens the cache can hold.
@@ -127,12 +167,18 @@ class KVCache {
   /// Forgets every token (length 0); keeps the memory. O(1).
   void clear() noexcept { length_ = 0; }
 
-  /// Appends T_new tokens: K_new and V_new are T_new × Hkv·head_dim packed heads. Throws shape_error (nothing written)
-  /// for wrong column counts, different row counts, or length() + T_new > capacity().
+  /// Appends T_new tokens: K_new and V_new are T_new × Hkv·head_dim packed heads of Scalar (or, both, of Storage:
+  /// copied as they are). With 16-bit storage each Scalar is rounded to Storage once (Eigen's conversion, round to
+  /// nearest even; above 65504 in magnitude a half is ±∞). Throws shape_error (nothing written) for wrong column
+  /// counts, different row counts, or length() + T_new > capacity(). O(T_new·Hkv·head_dim), no allocation.
   template <class DK, class DV>
   void append(const Eigen::MatrixBase<DK>& K_new, const Eigen::MatrixBase<DV>& V_new) {
-    static_assert(std::is_same_v<typename DK::Scalar, Scalar> && std::is_same_v<typename DV::Scalar, Scalar>,
-                  "qkv::KVCache::append: K_new and V_new must have the cache's scalar type");
+    using KeyScalar = typename DK::Scalar;
+    using ValueScalar = typename DV::Scalar;
+    constexpr bool kKeysFit = std::is_same_v<KeyScalar, Scalar> || std::is_same_v<KeyScalar, Storage>;
+    constexpr bool kValuesFit = std::is_same_v<ValueScalar, Scalar> || std::is_same_v<ValueScalar, Storage>;
+    static_assert(kKeysFit && kValuesFit,
+                  "qkv::KVCache::append: K_new and V_new must have the cache's scalar type (or its storage type)");
     const char* function = "qkv::KVCache::append";
     const Index columns = n_kv_heads_ * head_dim_;
     detail::check_shape(K_new.cols() == columns, function, ": K_new has ", K_new.cols(), " columns, expected ", columns,
@@ -143,22 +189,24 @@ class KVCache {
                         K_new.rows(), " (the rows of K_new)");
     check_room(function, K_new.rows());
     const Index t_new = K_new.rows();
-    for (Index h = 0; h < n_kv_heads_; ++h) {
-      head_rows(keys_.data(), h, length_, t_new) = K_new.middleCols(h * head_dim_, head_dim_);
-      head_rows(values_.data(), h, length_, t_new) = V_new.middleCols(h * head_dim_, head_dim_);
+    for (Index h = 0; h < n_kv_heads_; ++h) {  // cast<Storage>: the one rounding (none when the types agree)
+      head_rows(keys_.data(), h, length_, t_new) = K_new.middleCols(h * head_dim_, head_dim_).template cast<Storage>();
+      head_rows(values_.data(), h, length_, t_new) =
+          V_new.middleCols(h * head_dim_, head_dim_).template cast<Storage>();
     }
     length_ += t_new;
   }
 
-  /// The cached keys, [1, Hkv, length, head_dim] (strides {Hkv·capacity·head_dim, capacity·head_dim, head_dim, 1}).
-  TensorView4<const Scalar> keys() const noexcept { return view(keys_.data()); }
+  /// The cached keys, [1, Hkv, length, head_dim] of Storage (strides {Hkv·capacity·head_dim, capacity·head_dim,
+  /// head_dim, 1}).
+  TensorView4<const Storage> keys() const noexcept { return view(keys_.data()); }
   /// The cached values, same extents and strides as `keys()`.
-  TensorView4<const Scalar> values() const noexcept { return view(values_.data()); }
+  TensorView4<const Storage> values() const noexcept { return view(values_.data()); }
 
  private:
   friend class MultiHeadAttention<Scalar>;
 
-  using HeadMap = Eigen::Map<Matrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using HeadMap = Eigen::Map<Matrix<Storage>, Eigen::Unaligned, Eigen::OuterStride<>>;
 
   void check_room(const char* function, Index t_new) const {
     detail::check_shape(t_new <= capacity_ - length_, function, ": the KV cache overflows: it holds ", length_, " of ",
@@ -166,13 +214,13 @@ class KVCache {
                         capacity_, ")");
   }
 
-  HeadMap head_rows(Scalar* base, Index h, Index first, Index rows) {
+  HeadMap head_rows(Storage* base, Index h, Index first, Index rows) {
     return HeadMap(base + (h * capacity_ + first) * head_dim_, rows, head_dim_, Eigen::OuterStride<>(head_dim_));
   }
 
-  TensorView4<const Scalar> view(const Scalar* data) const noexcept {
-    return TensorView4<const Scalar>(data, {1, n_kv_heads_, length_, head_dim_},
-                                     {n_kv_heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1});
+  TensorView4<const Storage> view(const Storage* data) const noexcept {
+    return TensorView4<const Storage>(data, {1, n_kv_heads_, length_, head_dim_},
+                                      {n_kv_heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1});
   }
 
   /// Drops the newest tokens back to `length` (used to undo an append when the attention call after it throws).
@@ -182,12 +230,13 @@ class KVCache {
   Index n_kv_heads_ = 1;
   Index head_dim_ = 1;
   Index length_ = 0;
-  std::vector<Scalar> keys_;    ///< [Hkv, capacity, head_dim]
-  std::vector<Scalar> values_;  ///< [Hkv, capacity, head_dim]
+  std::vector<Storage> keys_;    ///< [Hkv, capacity, head_dim]
+  std::vector<Storage> values_;  ///< [Hkv, capacity, head_dim]
 };
 
 /// Multi-head attention with its projections (PyTorch's nn.MultiheadAttention, forward pass without dropout), with
-/// grouped-query (GQA) and multi-query (MQA) heads, varlen batches and incremental decoding with a `KVCache`:
+/// grouped-query (GQA) and multi-query (MQA) heads, varlen batches and incremental decoding with a `KVCache` (of
+/// Scalar, or for a float module of 16-bit Eigen::half or Eigen::bfloat16: `make_cache<Eigen::half>(capacity)`):
 ///
 ///     Y = concat_h(softmax(Q_h·K_{h/G}ᵀ·scale + masks)·V_{h/G})·W_o + b_o,
 ///     Q = X_q·W_q + b_q,  K = X_k·W_k + b_k,  V = X_v·W_v + b_v,   G = n_heads / n_kv_heads,
@@ -480,6 +529,14 @@ class MultiHeadAttention {
   /// i.e. from the cache's length before the call onwards (Hugging Face Llama's cache_position, llama.cpp's n_past),
   /// and the keys are appended rotated; the cached keys are not touched again. Positions come from the cache alone,
   /// so a cache holds one sequence from its first token (`clear()` starts the next one at position 0).
+  /// 16-bit cache (Scalar = float, `KVCache<float, Eigen::half>` or `KVCache<float, Eigen::bfloat16>` from
+  /// `make_cache<Eigen::half>(capacity)`): the new keys (rotated, with RoPE) and values are rounded once as they are
+  /// appended, and the new tokens attend over the stored 16-bit values, their own included, read in place and
+  /// converted exactly to float in the kernel; Q is never rounded. The result is the float call's on those values, bit
+  /// for bit: token by token or in chunks it gives the rows of one causal pass over the same rounded K/V, within the
+  /// float rule above (tested for half and bfloat16, GQA 8/2, with and without RoPE). It differs from the float cache's
+  /// result by the rounding of K and V (at most 2⁻¹¹ relative per element for half in its normal range, 2⁻⁸ for
+  /// bfloat16).
   /// Shapes: cache of n_kv_heads() heads of head_dim() (e.g. `make_cache(capacity)`); Y is T_new × d_model.
   /// Precondition: kdim = vdim = d_model (K and V come from X_new).
   /// Edge cases: slots past the cache's length are never read; T_new = 0 appends nothing and returns 0 × d_model.
@@ -488,17 +545,18 @@ class MultiHeadAttention {
   /// then undone).
   /// Complexity: O(T_new·d_model·(Hq + 2·Hkv)·head_dim) projections + O(Hq·T_new·L·head_dim) attention (+ with RoPE
   /// O(T_new·(Hq + Hkv)·head_dim) rotations and O(T_new·head_dim) cos/sin); the cache is read in place (no copy of the
-  /// past keys); allocates O(T_new·d_model).
+  /// past keys, a 16-bit cache is not widened); allocates O(T_new·d_model).
   /// Thread safety: needs exclusive access to `cache`; distinct caches may run concurrently on one module.
   /// Example:
   ///
-  ///     qkv::KVCache<float> cache = mha.make_cache(max_tokens);
+  ///     qkv::KVCache<float> cache = mha.make_cache(max_tokens);      // or, 2 bytes per element:
+  ///     // qkv::KVCache<float, Eigen::half> cache = mha.make_cache<Eigen::half>(max_tokens);
   ///     for (qkv::Index t = 0; t < X.rows(); ++t) Y.row(t) = mha.forward(X.row(t), cache);
   ///
   /// Source: autoregressive decoding with a KV cache (FlashAttention's flash_attn_with_kvcache: bottom-right causal);
-  /// seed 000 §2.4.6.
-  template <class DX>
-  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X_new, KVCache<Scalar>& cache,
+  /// seed 000 §2.4.6; a 16-bit cache as llama.cpp's f16 cache.
+  template <class DX, class Storage>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X_new, KVCache<Scalar, Storage>& cache,
                          const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
     check_scalar<DX>();
     const char* function = "qkv::MultiHeadAttention::forward";
@@ -517,7 +575,7 @@ class MultiHeadAttention {
     rotate(K_new, config_.n_kv_heads, 0, K_new.rows(), old_length);
     cache.append(K_new, project(X_new.derived(), W_v, b_v));
     struct Undo {  // undoes the append if the attention call throws
-      KVCache<Scalar>& cache;
+      KVCache<Scalar, Storage>& cache;
       Index length;
       bool committed = false;
       ~Undo() {
@@ -528,15 +586,19 @@ class MultiHeadAttention {
     AttentionOptions<Scalar> causal = options;
     causal.causal = true;
     causal.alignment = CausalAlignment::bottom_right;
-    Matrix<Scalar> Y = attend(Q, cache.keys(), cache.values(), causal);
+    Matrix<Scalar> Y = attend<Storage>(Q, cache.keys(), cache.values(), causal);
     undo.committed = true;
     return Y;
   }
 
-  /// A cache for this module: `KVCache<Scalar>(capacity, n_kv_heads(), head_dim())`. Allocates 2·Hkv·capacity·head_dim
-  /// scalars. Throws shape_error for a negative capacity.
-  KVCache<Scalar> make_cache(Index capacity) const {
-    return KVCache<Scalar>(capacity, config_.n_kv_heads, config_.head_dim);
+  /// A cache for this module: `KVCache<Scalar, Storage>(capacity, n_kv_heads(), head_dim())`. Storage defaults to
+  /// Scalar (`make_cache(capacity)` is a `KVCache<Scalar>`); a float module may store its keys and values in 16 bits,
+  /// `make_cache<Eigen::half>(capacity)` or `make_cache<Eigen::bfloat16>(capacity)` (rounded once on append; see
+  /// `KVCache`), and a double module with a 16-bit Storage fails to compile. Allocates 2·Hkv·capacity·head_dim elements
+  /// of Storage. Throws shape_error for a negative capacity.
+  template <class Storage = Scalar>
+  KVCache<Scalar, Storage> make_cache(Index capacity) const {
+    return KVCache<Scalar, Storage>(capacity, config_.n_kv_heads, config_.head_dim);
   }
 
   /// The Tq × Tk attention weights P of query head `head`, for inspection (seed 000 §2.4.7: a debugging signal, not an
@@ -737,17 +799,19 @@ class MultiHeadAttention {
     rotate_sequences(Q, config_.n_heads, options.cu_seqlens_q);  // RoPE, if configured: positions from 0
     rotate_sequences(K, config_.n_kv_heads, options.cu_seqlens_k);
     const Index H_kv = config_.n_kv_heads, D = config_.head_dim;
-    return attend(Q, detail::packed_heads_view(K.data(), K.rows(), H_kv, D, K.cols()),
-                  detail::packed_heads_view(V.data(), V.rows(), H_kv, D, V.cols()), options);
+    return attend<Scalar>(Q, detail::packed_heads_view(K.data(), K.rows(), H_kv, D, K.cols()),
+                          detail::packed_heads_view(V.data(), V.rows(), H_kv, D, V.cols()), options);
   }
 
-  /// Y = attention(Q, k, v)·W_o + b_o, with Q packed (Tq × Hq·head_dim) and k, v [1, Hkv, Tk, head_dim] views.
-  Matrix<Scalar> attend(const Matrix<Scalar>& Q, const TensorView4<const Scalar>& k, const TensorView4<const Scalar>& v,
-                        const AttentionOptions<Scalar>& options) const {
+  /// Y = attention(Q, k, v)·W_o + b_o, with Q packed (Tq × Hq·head_dim) and k, v [1, Hkv, Tk, head_dim] views of
+  /// Storage (Scalar, or a 16-bit cache's storage, which `qkv::attention` reads in place).
+  template <class Storage>
+  Matrix<Scalar> attend(const Matrix<Scalar>& Q, const TensorView4<const Storage>& k,
+                        const TensorView4<const Storage>& v, const AttentionOptions<Scalar>& options) const {
     const Index Tq = Q.rows(), H_q = config_.n_heads, D = config_.head_dim;
     Matrix<Scalar> O(Tq, H_q * D);
     const TensorView4<const Scalar> q = detail::packed_heads_view(Q.data(), Tq, H_q, D, Q.cols());
-    using Observer = detail::MultiHeadCoreObserver<Scalar>;
+    using Observer = detail::MultiHeadCoreObserver<Scalar, Storage>;
     if (Observer::callback != nullptr) Observer::callback(q, k, v, Observer::context);
     qkv::attention<Scalar>(q, k, v, detail::packed_heads_view(O.data(), Tq, H_q, D, O.cols()), options);
     return project(O, W_o, b_o);

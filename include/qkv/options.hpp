@@ -32,6 +32,33 @@ enum class CausalAlignment { bottom_right, top_left };
 /// for the scalar type.
 enum class Backend { automatic, reference, fused };
 
+/// Where a call's rows sit in a longer sequence, for a call that sees one shard of it (context parallelism: ring
+/// attention, key shards merged with `merge_attention_states`). Query row i of the call is global query
+/// `q_begin + i` of a sequence of `sq` queries; key row j is global key `k_begin + j` of `skv` keys. The causal
+/// diagonal, the window, the global tokens, ALiBi and `key_lengths` are then decided on global positions:
+///
+///     diag(i_global) = i_global + (Skv_b − sq) for bottom_right (i_global for top_left),
+///     Skv_b = key_lengths[b] (global lengths, each in [0, skv]) or skv,
+///
+/// so a call over q rows [q_begin, q_begin + Sq) and keys [k_begin, k_begin + Skv) computes exactly the whole
+/// call's attention of those queries restricted to those keys: its out and lse merge with the other key shards'
+/// (`merge_attention_states`) into the whole call's rows. Example: a causal sequence of sq = skv = 8, split in two
+/// shards of 4 rows. The call of queries 4..7 over keys 0..3 ({4, 0, 8, 8}) sees every key (global diag ≥ 4 > 3); the
+/// call of queries 0..3 over keys 4..7 ({0, 4, 8, 8}) sees none (zeros and lse −∞); queries 4..7 over keys 4..7
+/// ({4, 4, 8, 8}) is the usual causal triangle. With bottom_right and sq = 2, skv = 8 (decoding two queries over a
+/// cache split in two), queries {0, 1} over keys 4..7 ({0, 4, 2, 8}) have global diag 6 and 7: query 0 sees keys
+/// 4..6, query 1 all four.
+/// `allowed` and `bias` keep the call's own extents ([.., Sq, Skv] of this call, local rows and keys). Unset (the
+/// default) is the same as {0, 0, Sq, Skv}. Not combinable with `cu_seqlens`. Preconditions (else shape_error):
+/// every field ≥ 0, q_begin + Sq ≤ sq, k_begin + Skv ≤ skv. Source: the block offsets of ring attention (Liu et al.
+/// 2023) and of Megatron's context parallelism, expressed as FlashAttention's (Sq, Skv)-relative masks.
+struct GlobalPositions {
+  Index q_begin = 0;  ///< global position of q's first row
+  Index k_begin = 0;  ///< global position of k's (and v's) first row
+  Index sq = 0;       ///< the global query count Sq
+  Index skv = 0;      ///< the global key count Skv
+};
+
 /// Options of an attention call, shared by every entry point and every backend.
 ///
 /// The score of query i and key j of query head h is
@@ -85,7 +112,8 @@ struct AttentionOptions {
 
   /// Key padding (right padding), one length per batch entry (size B; size 1 on the Eigen entry points):
   /// keys j ≥ key_lengths[b] are hidden and the causal diagonal and window use Skv_b = key_lengths[b].
-  /// Each length must lie in [0, Skv]. Empty = no padding.
+  /// Each length must lie in [0, Skv]. Empty = no padding. With `global_positions` the lengths are global:
+  /// key k_begin + j is hidden when k_begin + j ≥ key_lengths[b], and each length lies in [0, global skv].
   std::vector<Index> key_lengths;
 
   /// Boolean mask, true = may attend, of extents [B or 1, Hq or 1, Sq or 1, Skv]; an extent-1 axis
@@ -110,6 +138,10 @@ struct AttentionOptions {
   /// (gpt-oss; ggml and ONNX Runtime "attention sinks"): visible weights then sum to 1 − p_sink and the lse
   /// includes the sink. Empty = none. NaN or +∞ is an error; −∞ means no sink for that head.
   std::vector<T> sinks;
+
+  /// The global positions of this call's rows in a longer sequence (see `GlobalPositions`): causal, window, global
+  /// tokens, ALiBi and `key_lengths` are then decided on global positions. Unset = this call is the whole sequence.
+  std::optional<GlobalPositions> global_positions;
 
   /// Varlen batches (FlashAttention's `flash_attn_varlen_func`): both of size B+1, cu[0] = 0,
   /// non-decreasing (empty sequences allowed), last = the view's row count. The views then have batch

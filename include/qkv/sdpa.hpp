@@ -67,33 +67,37 @@ inline PackedShape packed_shape(const char* function, Heads heads, Index q_cols,
   return s;
 }
 
+/// Q's scalar type is float or double; K and V share Q's, or (Q float) both hold Eigen::half or Eigen::bfloat16.
 template <class DQ, class DK, class DV>
 constexpr void check_scalars() {
   using Scalar = typename DQ::Scalar;
+  using Storage = typename DK::Scalar;
   check_scalar_type<Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DK::Scalar> && std::is_same_v<Scalar, typename DV::Scalar>,
-                "qkv: Q, K and V must have the same scalar type");
+  static_assert(std::is_same_v<Storage, typename DV::Scalar>, "qkv: K and V must have the same scalar type");
+  static_assert(std::is_same_v<Scalar, Storage> || (std::is_same_v<Scalar, float> && is_kv16_v<Storage>),
+                "qkv: K and V must have Q's scalar type, or (Q float) both Eigen::half or both Eigen::bfloat16");
 }
 
 inline namespace QKV_ISA_NAME {  // these call the ISA-dependent core (STYLE.md, ODR safety)
 
-template <class Scalar>
-Matrix<Scalar> sdpa_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Scalar>& k,
-                           const RowMajorRef<Scalar>& v, Heads heads, const AttentionOptions<Scalar>& options) {
+template <class Scalar, class Storage>
+Matrix<Scalar> sdpa_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Storage>& k,
+                           const RowMajorRef<Storage>& v, Heads heads, const AttentionOptions<Scalar>& options) {
   const Index v_cols = v.cols(), v_rows = v.rows();
   const PackedShape s = packed_shape(function, heads, q.cols(), k.cols(), k.rows(), &v_cols, &v_rows);
   Matrix<Scalar> out(q.rows(), s.Hq * s.dv);
-  attention_impl<Scalar>(function, packed_view(q, s.Hq, s.dk), packed_view(k, s.Hkv, s.dk), packed_view(v, s.Hkv, s.dv),
+  attention_impl<Scalar, Storage>(function, packed_view(q, s.Hq, s.dk), packed_view(k, s.Hkv, s.dk), packed_view(v, s.Hkv, s.dv),
                          packed_heads_view(out.data(), out.rows(), s.Hq, s.dv, out.cols()), nullptr, options);
   return out;
 }
 
-template <class Scalar>
-Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Scalar>& k,
+template <class Scalar, class Storage>
+Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q, const RowMajorRef<Storage>& k,
                               Heads heads, Index head, const AttentionOptions<Scalar>& options) {
   const PackedShape s = packed_shape(function, heads, q.cols(), k.cols(), k.rows(), nullptr, nullptr);
   check_shape(head >= 0 && head < s.Hq, function, ": head is ", head, ", expected an index in [0, ", s.Hq, ")");
-  const TensorView4<const Scalar> q_view = packed_view(q, s.Hq, s.dk), k_view = packed_view(k, s.Hkv, s.dk);
+  const TensorView4<const Scalar> q_view = packed_view(q, s.Hq, s.dk);
+  const TensorView4<const Storage> k_view = packed_view(k, s.Hkv, s.dk);
   const AttentionShape shape = validate<Scalar>(function, q_view, k_view, nullptr, nullptr, nullptr, options);
   (void)use_fused(function, options);  // weights come from the reference path; this only rejects fused for double
   const SequenceRows all_q{0, q.rows()}, all_k{0, k.rows()};
@@ -121,8 +125,9 @@ inline namespace QKV_ISA_NAME {
 
 /// Scaled dot-product attention of one head: softmax(Q·Kᵀ·scale + masks)·V (seed 000 定义 2.4.1).
 ///
-/// Shapes: Q Tq × dk, K Tk × dk, V Tk × dv → Tq × dv. Any Eigen expression of float or double binds; row-major
-/// objects are read in place, column-major ones and expressions are first copied into a row-major temporary
+/// Shapes: Q Tq × dk, K Tk × dk, V Tk × dv → Tq × dv. Any Eigen expression of float or double binds (K and V may
+/// also hold Eigen::half or Eigen::bfloat16 with a float Q: `qkv::attention`'s 16-bit keys and values, the result
+/// float; e.g. `Kf.cast<Eigen::half>()`, better stored once than cast per call); row-major objects are read in place, column-major ones and expressions are first copied into a row-major temporary
 /// (a documented O(size) cost). Options as `AttentionOptions` (B = 1: `key_lengths` has one entry, `allowed`
 /// and `bias` are Tq × Tk row-major matrices or broadcast views). Default scale 1/√dk; causal alignment is
 /// bottom-right (PyTorch's `is_causal` is top-left). Edge cases, errors and accuracy as `qkv::attention`.
@@ -141,7 +146,7 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
     const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
   detail::check_scalars<DQ, DK, DV>();
   using Scalar = typename DQ::Scalar;
-  return detail::sdpa_packed<Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(),
+  return detail::sdpa_packed<Scalar, typename DK::Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(),
                                      Heads{1, 1}, options);
 }
 
@@ -161,7 +166,7 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
     const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
   detail::check_scalars<DQ, DK, DV>();
   using Scalar = typename DQ::Scalar;
-  return detail::sdpa_packed<Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(), heads,
+  return detail::sdpa_packed<Scalar, typename DK::Scalar>("qkv::scaled_dot_product_attention", Q.derived(), K.derived(), V.derived(), heads,
                                      options);
 }
 
@@ -179,7 +184,7 @@ Matrix<typename DQ::Scalar> attention_weights(
     const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
   detail::check_scalars<DQ, DK, DK>();
   using Scalar = typename DQ::Scalar;
-  return detail::weights_packed<Scalar>("qkv::attention_weights", Q.derived(), K.derived(), Heads{1, 1}, 0, options);
+  return detail::weights_packed<Scalar, typename DK::Scalar>("qkv::attention_weights", Q.derived(), K.derived(), Heads{1, 1}, 0, options);
 }
 
 /// The weights of query head `head` of a packed-heads call (shapes as the packed
@@ -190,7 +195,7 @@ Matrix<typename DQ::Scalar> attention_weights(
     const AttentionOptions<typename DQ::Scalar>& options = AttentionOptions<typename DQ::Scalar>()) {
   detail::check_scalars<DQ, DK, DK>();
   using Scalar = typename DQ::Scalar;
-  return detail::weights_packed<Scalar>("qkv::attention_weights", Q.derived(), K.derived(), heads, head, options);
+  return detail::weights_packed<Scalar, typename DK::Scalar>("qkv::attention_weights", Q.derived(), K.derived(), heads, head, options);
 }
 
 }  // namespace QKV_ISA_NAME

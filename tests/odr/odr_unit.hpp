@@ -31,5 +31,5 @@ void QKV_ODR_CONCAT(run_, QKV_ODR_UNIT)(const char** isa, std::vector<float>& ou
   qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, S, D), qkv::view_bhsd<const float>(k.data(), 1, H, S, D),
                  qkv::view_bhsd<const float>(v.data(), 1, H, S, D), qkv::view_bhsd(out.data(), 1, H, S, D), options);
   *isa = qkv::isa_name();
-  *kernel = reinterpret_cast<std::uintptr_t>(&qkv::detail::run_fused);
+  *kernel = reinterpret_cast<std::uintptr_t>(&qkv::detail::run_fused<float>);  // the float-storage kernel entry
 }

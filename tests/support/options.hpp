@@ -59,7 +59,8 @@ brute::Broadcast4<D> dense_copy(const qkv::TensorView4<E>& view) {
 template <class T>
 brute::Params to_brute(const qkv::AttentionOptions<T>& options, const brute::Shape& shape) {
   const auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-               alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage, bias_storage] = options;
+               alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage,
+               bias_storage] = options;
   (void)backend;          // not a semantic field
   (void)allowed_storage;  // not semantic either: what keeps `allowed` and `bias` alive; their values are copied
   (void)bias_storage;
@@ -78,6 +79,10 @@ brute::Params to_brute(const qkv::AttentionOptions<T>& options, const brute::Sha
   if (is_set(bias)) p.bias = dense_copy<double>(bias);
   p.alibi_slopes.assign(alibi_slopes.begin(), alibi_slopes.end());
   p.sinks.assign(sinks.begin(), sinks.end());
+  if (global_positions) {
+    p.global_positions = brute::Params::GlobalPositions{global_positions->q_begin, global_positions->k_begin,
+                                                        global_positions->sq, global_positions->skv};
+  }
   p.cu_seqlens_q.assign(cu_seqlens_q.begin(), cu_seqlens_q.end());
   p.cu_seqlens_k.assign(cu_seqlens_k.begin(), cu_seqlens_k.end());
   return p;
@@ -88,7 +93,8 @@ template <class T>
 OwnedOptions<T> from_brute(const brute::Params& p, qkv::Backend backend = qkv::Backend::automatic) {
   OwnedOptions<T> owned;
   auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-         alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, backend_field, allowed_storage, bias_storage] = owned.options;
+         alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, backend_field, allowed_storage,
+         bias_storage] = owned.options;
   // The dense copies live in `owned` (its views stay valid when it moves); the options' own storage stays null, so
   // that copying `owned.options` out of `owned` is the caller's visible choice (see OwnedOptions).
   allowed_storage = nullptr;
@@ -115,6 +121,10 @@ OwnedOptions<T> from_brute(const brute::Params& p, qkv::Backend backend = qkv::B
   }
   alibi_slopes.assign(p.alibi_slopes.begin(), p.alibi_slopes.end());
   sinks.assign(p.sinks.begin(), p.sinks.end());
+  if (p.global_positions) {
+    const auto& g = *p.global_positions;
+    global_positions = qkv::GlobalPositions{g.q_begin, g.k_begin, g.sq, g.skv};
+  }
   cu_seqlens_q.assign(p.cu_seqlens_q.begin(), p.cu_seqlens_q.end());
   cu_seqlens_k.assign(p.cu_seqlens_k.begin(), p.cu_seqlens_k.end());
   backend_field = backend;

@@ -26,9 +26,11 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// Prefetches the first n floats of row p (one hint per 64-byte line).
-inline void prefetch_row(const float* p, Index n) noexcept {
-  for (Index d = 0; d < n; d += 16) simd::prefetch(p + d);
+/// Prefetches the first n elements of row p (one hint per 64-byte line).
+template <class S>
+inline void prefetch_row(const S* p, Index n) noexcept {
+  constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+  for (Index d = 0; d < n; d += kPerLine) simd::prefetch(p + d);
 }
 
 /// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
@@ -36,9 +38,10 @@ inline void prefetch_row(const float* p, Index n) noexcept {
 /// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
 /// rows of q, accumulating vertically over d; the R × NK sums are then reduced four at a time by a transposing
 /// reduction (reduce_sum4), not one horizontal reduction per (row, key). D tails by masked loads, so nothing past
-/// a row is read; a remainder of keys one at a time.
-template <class Tag, int R>
-inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, Index keys, Index D, float* s,
+/// a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half or Eigen::bfloat16) and
+/// converted to float as it is loaded (simd::load_kv): q is never rounded.
+template <class Tag, int R, class S>
+inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s,
                         Index lds) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
@@ -52,13 +55,13 @@ inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, In
   for (; j + NK <= keys; j += NK) {
     Vec acc[R * NK];
     QKV_UNROLL for (int a = 0; a < R * NK; ++a) acc[a] = zero(Tag());
-    const float* key = k + j * ldk;
+    const S* key = k + j * ldk;
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for (Index d = 0; d < d_full; d += L) {
       Vec kv[NK];
-      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load(Tag(), key + c * ldk + d);
+      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv(Tag(), key + c * ldk + d);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         const Vec qv = load(Tag(), q + r * ldq + d);
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
@@ -66,7 +69,7 @@ inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, In
     }
     if (tail > 0) {
       Vec kv[NK];
-      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_partial(Tag(), key + c * ldk + d_full, tail);
+      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv_partial(Tag(), key + c * ldk + d_full, tail);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         const Vec qv = load_partial(Tag(), q + r * ldq + d_full, tail);
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
@@ -86,13 +89,13 @@ inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, In
   for (; j < keys; ++j) {
     Vec acc[R];
     QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = zero(Tag());
-    const float* k0 = k + j * ldk;
+    const S* k0 = k + j * ldk;
     for (Index d = 0; d < d_full; d += L) {
-      const auto kv0 = load(Tag(), k0 + d);
+      const auto kv0 = load_kv(Tag(), k0 + d);
       QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] = fmadd(load(Tag(), q + r * ldq + d), kv0, acc[r]);
     }
     if (tail > 0) {
-      const auto kv0 = load_partial(Tag(), k0 + d_full, tail);
+      const auto kv0 = load_kv_partial(Tag(), k0 + d_full, tail);
       QKV_UNROLL for (int r = 0; r < R; ++r) acc[r] =
           fmadd(load_partial(Tag(), q + r * ldq + d_full, tail), kv0, acc[r]);
     }
@@ -105,9 +108,9 @@ inline void qk_in_place(const float* q, Index ldq, const float* k, Index ldk, In
 /// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go two
 /// at a time: the 2·R weights sit in registers, and each acc_o vector (L1) is loaded and stored once per two keys
 /// instead of once per key. Per V line: 2 V loads, R acc_o loads and R stores, 2·R FMAs per vector. Dv tails by
-/// masked loads; an odd last key alone.
-template <class Tag, int R>
-inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+/// masked loads; an odd last key alone. V is stored as S and converted as it is loaded, like K in qk_in_place.
+template <class Tag, int R, class S>
+inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo,
                         Index Dv) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
@@ -118,8 +121,8 @@ inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, In
   const int tail = static_cast<int>(Dv - full);
   Index j = 0;
   for (; j + 2 <= keys; j += 2) {
-    const float* v0 = v + j * ldv;
-    const float* v1 = v0 + ldv;
+    const S* v0 = v + j * ldv;
+    const S* v1 = v0 + ldv;
     if (j + kDecodePrefetchKeys + 2 <= keys) {
       prefetch_row(v0 + kDecodePrefetchKeys * ldv, Dv);
       prefetch_row(v1 + kDecodePrefetchKeys * ldv, Dv);
@@ -130,13 +133,13 @@ inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, In
       p1[r] = set1(Tag(), p[r * ldp + j + 1]);
     }
     for (Index c = 0; c < full; c += L) {
-      const Vec a = load(Tag(), v0 + c), b = load(Tag(), v1 + c);
+      const Vec a = load_kv(Tag(), v0 + c), b = load_kv(Tag(), v1 + c);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         store(Tag(), o + r * ldo + c, fmadd(p1[r], b, fmadd(p0[r], a, load(Tag(), o + r * ldo + c))));
       }
     }
     if (tail > 0) {
-      const Vec a = load_partial(Tag(), v0 + full, tail), b = load_partial(Tag(), v1 + full, tail);
+      const Vec a = load_kv_partial(Tag(), v0 + full, tail), b = load_kv_partial(Tag(), v1 + full, tail);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         float* out = o + r * ldo + full;
         store_partial(Tag(), out, fmadd(p1[r], b, fmadd(p0[r], a, load_partial(Tag(), out, tail))), tail);
@@ -144,16 +147,16 @@ inline void pv_in_place(const float* p, Index ldp, const float* v, Index ldv, In
     }
   }
   if (j < keys) {
-    const float* v0 = v + j * ldv;
+    const S* v0 = v + j * ldv;
     Vec p0[R];
     QKV_UNROLL for (int r = 0; r < R; ++r) p0[r] = set1(Tag(), p[r * ldp + j]);
     for (Index c = 0; c < full; c += L) {
-      const Vec a = load(Tag(), v0 + c);
+      const Vec a = load_kv(Tag(), v0 + c);
       QKV_UNROLL for (int r = 0; r < R; ++r)
           store(Tag(), o + r * ldo + c, fmadd(p0[r], a, load(Tag(), o + r * ldo + c)));
     }
     if (tail > 0) {
-      const Vec a = load_partial(Tag(), v0 + full, tail);
+      const Vec a = load_kv_partial(Tag(), v0 + full, tail);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         float* out = o + r * ldo + full;
         store_partial(Tag(), out, fmadd(p0[r], a, load_partial(Tag(), out, tail)), tail);

@@ -101,10 +101,12 @@ using kernel_avx2::run_fused_as;
 using kernel_avx512::run_fused_as;
 #endif
 
-/// The fused kernel over validated views and resolved parameters, on the instruction set isa.hpp chose.
-inline void run_fused(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
-                      const TensorView4<const float>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
-                      const AttentionParams<float>& params) {
+/// The fused kernel over validated views and resolved parameters, on the instruction set isa.hpp chose; K and V
+/// stored as S (float, Eigen::half or Eigen::bfloat16).
+template <class S>
+void run_fused(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const S>& k,
+               const TensorView4<const S>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
+               const AttentionParams<float>& params) {
   switch (active_isa()) {
 #if defined(QKV_KERNEL_AVX512)
     case Isa::avx512:

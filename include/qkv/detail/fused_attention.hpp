@@ -13,13 +13,15 @@
 //         row_max, row_sum updated, acc_o rescaled only when a row's max rose             online_softmax.hpp
 //         acc_o += P · V_tile (packed chunks, or zero weights skipped where V holds NaN/∞)   hidden_values.hpp
 //       decoding: the same steps over blocks of kDecodeKeys keys, K and V read in place     decode_kernels.hpp
+//         (token-major K and V: one task serves several kv heads, so it reads whole key rows)
 //     out = acc_o / row_sum and lse (base e); or a partial state, merged in chunk order             split_k.hpp
 //
 // Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D), acc_s (a strip's kStrip × kBlockN scores, which
-// stay in L1, or a decoding block's M × kDecodeKeys) and acc_o (M × Dv), M = G · rows per tile, allocated once per
-// call; packed K and V, the size of K and V (prefill sequences only). Nothing of size Sq × Skv. Traffic per task: K
-// and V of its visible key range once from memory, then from L2 for every strip (kBlockN = 256 keys × D = 128
-// floats = 128 KiB each), Q and out once; decoding reads K and V once, in place.
+// stay in L1, or a decoding block's M × kDecodeKeys) and acc_o (M × Dv), M = G · rows per tile (G · Sq · n_kv for a
+// decoding task of n_kv kv heads), allocated once per call; packed K and V, the size of K and V (prefill sequences
+// only). Nothing of size Sq × Skv. Traffic per task: K and V of its visible key range once from memory, then from L2
+// for every strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each on AVX2, 512 keys = 256 KiB on AVX-512), Q and
+// out once; decoding reads K and V once, in place.
 //
 // Exactness rules kept here (docs/design.md): hidden keys are selected away (−∞ before exp), never multiplied by
 // zero; a row with NaN or +∞ among its visible scores is NaN; empty rows give zeros and lse −∞; sinks join the
@@ -76,8 +78,10 @@ struct FusedScratch {
   QueryScale scaled;                   ///< how the task's Q block was scaled
 };
 
-/// The fused kernel for one call in float, over validated views and resolved parameters.
-template <class Tag>
+/// The fused kernel for one call in float, over validated views and resolved parameters. K and V are stored as S:
+/// float, or Eigen::half / Eigen::bfloat16, converted exactly to float where they are read (packing, the decoding
+/// kernels, the finiteness scan and the zero-weight path); nothing is computed in 16 bits.
+template <class Tag, class S = float>
 class FusedAttention {
  public:
   using Tiles = FusedTiles<Tag>;
@@ -85,8 +89,8 @@ class FusedAttention {
   static constexpr int kChunk = Tiles::kChunk;
   static constexpr int kStrip = Tiles::kStrip;
 
-  FusedAttention(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
-                 const TensorView4<const float>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
+  FusedAttention(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const S>& k,
+                 const TensorView4<const S>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
                  const AttentionParams<float>& params)
       : shape_(shape), q_(q), k_(k), v_(v), out_(out), lse_(lse), params_(params) {
     G_ = shape.group;
@@ -101,7 +105,11 @@ class FusedAttention {
           shape_.q_rows[static_cast<std::size_t>(b)].length * G_ <= Tiles::kDecodeRows;
     }
     packed_.pack(shape_, k_, v_, decode_);
-    tasks_.build(shape_, rows_per_tile_, Tiles::kSplitKeys);
+    tasks_.build(shape_, rows_per_tile_, plans());
+    decode_rows_ = 0;
+    for (const FusedTask& t : tasks_.tasks()) {
+      if (decode_[static_cast<std::size_t>(t.sequence)]) decode_rows_ = std::max(decode_rows_, tasks_.rows(t));
+    }
     zeros_.assign(static_cast<std::size_t>(shape_.Dv), 0.0f);
     const std::vector<FusedTask>& tasks = tasks_.tasks();
     const Index n_tasks = static_cast<Index>(tasks.size());
@@ -126,17 +134,41 @@ class FusedAttention {
   }
 
  private:
+  /// How each sequence is cut into tasks. A decoding sequence whose K and V are token-major (each key row holds the
+  /// kv heads side by side: view_bshd, the packed Eigen entry point) takes as many kv heads per task as kBlockM rows
+  /// allow, so that a task streams whole contiguous key rows instead of striding through them one head at a time,
+  /// and it is split into at least kDecodeMinChunks key chunks where it has that many blocks, so that the threads
+  /// share it. The plan depends on the shapes and strides only, never on the thread count.
+  std::vector<SequencePlan> plans() const {
+    const bool token_major = shape_.Hkv > 1 && k_.stride(2) > k_.stride(1) && v_.stride(2) > v_.stride(1);
+    std::vector<SequencePlan> result(static_cast<std::size_t>(shape_.n_sequences));
+    for (Index b = 0; b < shape_.n_sequences; ++b) {
+      const std::size_t seq = static_cast<std::size_t>(b);
+      SequencePlan& plan = result[seq];
+      plan.split_keys = Tiles::kSplitKeys;
+      const Index group_rows = G_ * shape_.q_rows[seq].length;
+      if (!decode_[seq] || !token_major || group_rows == 0) continue;
+      plan.kv_heads = std::max<Index>(1, std::min(shape_.Hkv, Tiles::kBlockM / group_rows));
+      const Index skv = shape_.key_counts[seq], blocks = (skv + Tiles::kDecodeKeys - 1) / Tiles::kDecodeKeys;
+      const Index chunk_blocks = (blocks + Tiles::kDecodeMinChunks - 1) / Tiles::kDecodeMinChunks;
+      plan.split_keys = std::min(Tiles::kSplitKeys, std::max<Index>(1, chunk_blocks) * Tiles::kDecodeKeys);
+    }
+    return result;
+  }
+
   void allocate(FusedScratch& s) const {
-    const Index M = G_ * rows_per_tile_;
+    const Index M = std::max<Index>(1, tasks_.max_rows());
     s.q_block.resize(static_cast<std::size_t>(M * shape_.D));
-    // Prefill fills one strip of scores at a time (kStrip × kBlockN); decoding a whole block (≤ kDecodeRows rows).
-    s.acc_s.resize(
-        static_cast<std::size_t>(std::max(kStrip * Tiles::kBlockN, Tiles::kDecodeRows * Tiles::kDecodeKeys)));
+    // Prefill fills one strip of scores at a time (kStrip × kBlockN); decoding a whole block of its M rows: at most
+    // kDecodeRows × kDecodeKeys, plus M × kPanel where a task of several kv heads rounds its block up to a panel.
+    s.acc_s.resize(static_cast<std::size_t>(
+        std::max<Index>(kStrip * Tiles::kBlockN,
+                        std::min(decode_rows_, Tiles::kDecodeRows) * Tiles::kDecodeKeys + decode_rows_ * kPanel)));
     s.acc_o.resize(static_cast<std::size_t>(std::max<Index>(1, M * shape_.Dv)));
     s.row_max.resize(static_cast<std::size_t>(M));
     s.row_sum.resize(static_cast<std::size_t>(M));
     s.row_nan.assign(static_cast<std::size_t>(M), 0);
-    s.masks.resize(static_cast<std::size_t>(G_));
+    s.masks.resize(static_cast<std::size_t>(std::max<Index>(1, M)));
   }
 
   /// One task: a prefill sequence in base 2, or in base e where base 2 could overflow; a decoding sequence in base e.
@@ -153,23 +185,23 @@ class FusedAttention {
     return OnlineSoftmax<Tag, kBase2>(s.row_max.data(), s.row_sum.data(), s.row_nan.data(), s.acc_o.data(), shape_.Dv);
   }
 
-  /// The start of a task: its G head masks, its Q block (query_block.hpp), its softmax state cleared; returns its
-  /// key range (the mask's key range of its rows ∩ its split-K chunk).
+  /// The start of a task: the head masks of its query heads (G per kv head), its Q block (query_block.hpp), its
+  /// softmax state cleared; returns its key range (the mask's key range of its rows ∩ its split-K chunk).
   template <bool kBase2>
   KeyRange begin_task(const FusedTask& t, FusedScratch& s, OnlineSoftmax<Tag, kBase2>& softmax) const {
     constexpr float kLog2e = simd::exp_constants::kLog2e;
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
-    const Index vb = shape_.view_batch(t.sequence), rows = t.i_end - t.i_begin;
+    const Index vb = shape_.view_batch(t.sequence), rows = t.i_end - t.i_begin, heads = G_ * t.n_kv;
     const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
-    for (Index g = 0; g < G_; ++g) {
+    for (Index g = 0; g < heads; ++g) {
       s.masks[static_cast<std::size_t>(g)] = params_.head_mask(vb, t.h_kv * G_ + g, sq, skv);
     }
     const bool with_log2e = kBase2 && !s.masks[0].modifies_scores();
     const float scale = params_.rules.scale;
     s.scaled =
-        load_query_block(q_, vb, t.h_kv * G_, G_, shape_.q_rows[seq].begin + t.i_begin, rows, shape_.D,
+        load_query_block(q_, vb, t.h_kv * G_, heads, shape_.q_rows[seq].begin + t.i_begin, rows, shape_.D,
                          with_log2e ? params_.scale_log2e : scale, scale, with_log2e ? kLog2e : 1.0f, s.q_block.data());
-    softmax.reset(G_ * rows);
+    softmax.reset(heads * rows);
     KeyRange range = s.masks[0].geometry.key_range(t.i_begin, t.i_end);
     range.begin = std::max(range.begin, t.key_begin);
     range.end = std::min(range.end, t.key_end);
@@ -207,7 +239,7 @@ class FusedAttention {
     for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end && fits; j0 += Tiles::kBlockN) {
       const Index j1 = std::min(j0 + Tiles::kBlockN, range.end);
       if (geometry.classify(t.i_begin, t.i_end, j0, j1) == TileVisibility::hidden) continue;
-      const float* v_tile = Dv > 0 ? &v_(vb, t.h_kv, kv_row0 + j0, 0) : nullptr;
+      const S* v_tile = Dv > 0 ? &v_(vb, t.h_kv, kv_row0 + j0, 0) : nullptr;
       int v_finite = -1;  // whether the tile's values are all finite: decided once, when a strip first needs it
 
       for (Index r0 = 0; r0 < M && fits; r0 += kStrip) {
@@ -260,13 +292,20 @@ class FusedAttention {
   /// The decoding task (Sq·G ≤ kDecodeRows; K and V read in place), in base e. Blocks of kDecodeKeys keys: one
   /// pass over the block's K, its scores and softmax step, then one pass over its V, so that each pass streams a
   /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, the
-  /// row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks.
+  /// row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks. A task of several kv heads
+  /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows,
+  /// prefetching the rows kDecodeGroupPrefetchKeys ahead, so that K and V stream as contiguous memory.
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
-    const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
-    const Index block = Tiles::kDecodeKeys, ldS = block, ldv = v_.stride(2), ldk = k_.stride(2);
-    const Index sub_keys = M <= 4 ? block : Tiles::kDecodeSub;
+    const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, GR = G_ * rows, M = GR * t.n_kv;
+    const bool grouped = t.n_kv > 1;
+    // A grouped task's block holds the same bytes of K as one head's block (kDecodeKeys / n_kv whole rows), so that
+    // its scores (M × block) stay as small as one head's (kDecodeRows × kDecodeKeys at most).
+    const Index block = grouped ? std::max<Index>(kPanel, Tiles::kDecodeKeys / t.n_kv / kPanel * kPanel)
+                                : Tiles::kDecodeKeys;
+    const Index ldS = block, ldv = v_.stride(2), ldk = k_.stride(2);
+    const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : M <= 4 ? block : Tiles::kDecodeSub;
     float* q_block = s.q_block.data();
     float* acc_s = s.acc_s.data();
     float* acc_o = s.acc_o.data();
@@ -275,6 +314,9 @@ class FusedAttention {
     const MaskGeometry& geometry = s.masks[0].geometry;
     const bool data_mask = s.masks[0].has_data_mask();
     const BlockRows block_rows{s.masks.data(), rows, t.i_begin};
+    // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
+    const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
+    constexpr Index kAhead = Tiles::kDecodeGroupPrefetchKeys;
 
     for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += block) {
       const Index j1 = std::min(j0 + block, range.end);
@@ -282,14 +324,21 @@ class FusedAttention {
       if (visibility == TileVisibility::hidden) continue;
       const Index n = j1 - j0;
 
-      const float* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
+      const S* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
       for (Index jb = 0; jb < n; jb += sub_keys) {
         const Index keys = std::min(sub_keys, n - jb);
-        for (Index r0 = 0; r0 < M; r0 += 4) {
-          dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
-            constexpr int R = std::min(4, decltype(rows_constant)::value);
-            qk_in_place<Tag, R>(q_block + r0 * D, D, k_tile + jb * ldk, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
-          });
+        if (grouped) {
+          const Index ahead = std::min(keys, range.end - (j0 + jb + kAhead));
+          for (Index j = 0; j < ahead; ++j) prefetch_row(k_tile + (jb + kAhead + j) * ldk, k_span);
+        }
+        for (Index hk = 0; hk < t.n_kv; ++hk) {
+          const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
+          for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
+            dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
+              constexpr int R = std::min(4, decltype(rows_constant)::value);
+              qk_in_place<Tag, R>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
+            });
+          }
         }
       }
       const bool index_mask = visibility == TileVisibility::partial;
@@ -297,20 +346,33 @@ class FusedAttention {
       for (Index r = 0; r < M; ++r) softmax.update(r, acc_s + r * ldS, 0, n);
 
       if (Dv == 0) continue;
-      const float* v_tile = &v_(vb, t.h_kv, kv_row0 + j0, 0);
-      const bool may_hide = index_mask || data_mask;
-      if (!may_hide || all_finite<Tag>(v_tile, n, Dv, ldv)) {
+      const S* v_tile = &v_(vb, t.h_kv, kv_row0 + j0, 0);
+      bool finite = true;  // whether zero weights may meet V: only where no key can be hidden, or V is finite
+      if (index_mask || data_mask) {
+        for (Index hk = 0; hk < t.n_kv && finite; ++hk) finite = all_finite<Tag>(v_tile + hk * v_.stride(1), n, Dv, ldv);
+      }
+      if (finite) {
         for (Index jb = 0; jb < n; jb += sub_keys) {
           const Index keys = std::min(sub_keys, n - jb);
-          for (Index r0 = 0; r0 < M; r0 += 4) {
-            dispatch_rows(std::min<Index>(4, M - r0), [&](auto rows_constant) {
-              constexpr int R = std::min(4, decltype(rows_constant)::value);
-              pv_in_place<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_tile + jb * ldv, ldv, keys, acc_o + r0 * Dv, Dv, Dv);
-            });
+          if (grouped) {
+            const Index ahead = std::min(keys, range.end - (j0 + jb + kAhead));
+            for (Index j = 0; j < ahead; ++j) prefetch_row(v_tile + (jb + kAhead + j) * ldv, v_span);
+          }
+          for (Index hk = 0; hk < t.n_kv; ++hk) {
+            const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
+            for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
+              dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
+                constexpr int R = std::min(4, decltype(rows_constant)::value);
+                pv_in_place<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv);
+              });
+            }
           }
         }
       } else {
-        pv_skip_zero_weights(acc_s, ldS, v_tile, ldv, n, acc_o, Dv, Dv, M);
+        for (Index hk = 0; hk < t.n_kv; ++hk) {
+          pv_skip_zero_weights(acc_s + hk * GR * ldS, ldS, v_tile + hk * v_.stride(1), ldv, n, acc_o + hk * GR * Dv,
+                               Dv, Dv, GR);
+        }
       }
     }
     finish_rows(t, softmax);
@@ -319,7 +381,7 @@ class FusedAttention {
   /// The end of a task: every row's (out, lse), to the output or to the task's split-K slot.
   template <bool kBase2>
   void finish_rows(const FusedTask& t, OnlineSoftmax<Tag, kBase2>& softmax) const {
-    const Index M = G_ * (t.i_end - t.i_begin);
+    const Index M = tasks_.rows(t);
     for (Index r = 0; r < M; ++r) {
       const float lse = softmax.finalize(r);
       if (t.partial >= 0) {
@@ -342,11 +404,13 @@ class FusedAttention {
   }
 
   const AttentionShape& shape_;
-  TensorView4<const float> q_, k_, v_;
+  TensorView4<const float> q_;
+  TensorView4<const S> k_, v_;
   TensorView4<float> out_;
   const TensorView3<float>* lse_;
   const AttentionParams<float>& params_;
   Index G_ = 1, rows_per_tile_ = 1;
+  Index decode_rows_ = 0;     ///< the most block rows of a decoding task
   std::vector<char> decode_;  ///< per sequence: K and V read in place (decoding) rather than packed
   PackedKV<Tag> packed_;
   FusedTasks tasks_;
@@ -354,11 +418,13 @@ class FusedAttention {
 };
 
 /// This pass's kernel: FusedAttention for the pass's tag, chosen by overload on the tag (dispatch.hpp brings the
-/// passes' overloads together and calls the one isa.hpp chose).
-inline void run_fused_as(QKV_PASS_TAG, const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
-                      const TensorView4<const float>& v, const TensorView4<float>& out, const TensorView3<float>* lse,
-                      const AttentionParams<float>& params) {
-  FusedAttention<QKV_PASS_TAG>(shape, q, k, v, out, lse, params).run();
+/// passes' overloads together and calls the one isa.hpp chose); K and V stored as S (float, Eigen::half,
+/// Eigen::bfloat16).
+template <class S>
+void run_fused_as(QKV_PASS_TAG, const AttentionShape& shape, const TensorView4<const float>& q,
+                  const TensorView4<const S>& k, const TensorView4<const S>& v, const TensorView4<float>& out,
+                  const TensorView3<float>* lse, const AttentionParams<float>& params) {
+  FusedAttention<QKV_PASS_TAG, S>(shape, q, k, v, out, lse, params).run();
 }
 
 }  // namespace QKV_PASS_NAME

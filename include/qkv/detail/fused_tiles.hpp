@@ -1,9 +1,9 @@
 // qkv/detail/fused_tiles.hpp — the fused kernel's tile shapes per SIMD tag (FlashAttention's kernel_traits.h).
 //
 // Every size the kernel's loops and buffers depend on is here, as compile-time constants of one traits struct per
-// tag, so that a binary gives the same bits for any thread count. An ISA takes shapes of its own through an explicit
-// specialization of FusedTiles for its tag; the panel and chunk widths are those of the micro-kernels' accumulators
-// (two vectors per row today, prefill_kernels.hpp), so a wider panel comes with micro-kernels to match.
+// tag, so that a binary gives the same bits for any thread count. The shapes follow the tag's vector width (so the
+// tests' emulated 16-lane tag runs AVX-512's); an ISA that needs others gets an explicit specialization of FusedTiles.
+// The panel and chunk widths are those of the micro-kernels' accumulators (kVectors per row, prefill_kernels.hpp).
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
@@ -28,25 +28,38 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// Tile sizes of the fused kernel for a SIMD tag. The prefill micro-kernels hold kStrip rows × 2 vectors of
-/// accumulators (12 on AVX2, whose 16 registers also hold the 2 loaded vectors and a broadcast).
+/// Tile sizes of the fused kernel for a SIMD tag, chosen by its vector width. The prefill micro-kernels hold kStrip
+/// rows × kVectors vectors of accumulators: 6 × 2 = 12 on 8-lane AVX2, whose 16 registers also hold the 2 loaded
+/// vectors and a broadcast; 6 × 4 = 24 on 16-lane AVX-512, whose 32 registers hold 4 loaded vectors and a broadcast
+/// besides (per step 4 loads, 6 broadcasts and 24 FMAs: the FMA ports, not the load ports, bound it). Any 16-lane
+/// tag (AVX-512, or the tests' emulated one) gets the 16-lane shapes, so those run on every CPU. Intel's and AMD's
+/// AVX-512 cores take the same numbers: the key tile of 512 keys (256 KiB of K and of V at D = 128) fits both
+/// vendors' L2 (2 MiB on Sapphire Rapids, 1 MiB on Zen 4 and 5).
 template <class Tag>
 struct FusedTiles {
   static constexpr int kLanes = Tag::kLanes;
-  static constexpr int kPanel = 2 * kLanes;   ///< keys per packed Kᵀ panel (qk_panel's accumulator width)
-  static constexpr int kChunk = 2 * kLanes;   ///< Dv columns per packed V chunk (pv_chunk's accumulator width)
-  static constexpr int kStrip = 6;            ///< query rows per prefill micro-kernel call
-  static constexpr Index kBlockM = 96;        ///< stacked query rows per task (a multiple of kStrip)
-  static constexpr Index kBlockN = 256;       ///< keys per prefill tile (a multiple of every kPanel)
-  static constexpr Index kSplitKeys = 2048;   ///< keys per split-K chunk (a single query tile)
-  static constexpr Index kDecodeRows = 16;    ///< a sequence with Sq·G ≤ this reads K in place (no packing)
-  static constexpr Index kDecodeKeys = 1024;  ///< keys per decoding block: all of its K, then all of its V
-  static constexpr Index kDecodeSub = 64;     ///< keys per row-group pass when a decoding block has > 4 rows
+  static constexpr bool kWide = kLanes >= 16;       ///< 32 vector registers (AVX-512 and wider)
+  static constexpr int kVectors = kWide ? 4 : 2;    ///< accumulator vectors per micro-kernel row
+  static constexpr int kPanel = kVectors * kLanes;  ///< keys per packed Kᵀ panel (qk_panel's accumulator width)
+  static constexpr int kChunk = kVectors * kLanes;  ///< Dv columns per packed V chunk (pv_chunk's accumulator width)
+  static constexpr int kStrip = 6;                  ///< query rows per prefill micro-kernel call
+  static constexpr Index kBlockM = 96;              ///< stacked query rows per task (a multiple of kStrip)
+  static constexpr Index kBlockN = kWide ? 512 : 256;  ///< keys per prefill tile (a multiple of every kPanel)
+  static constexpr Index kSplitKeys = 2048;         ///< keys per split-K chunk (a single query tile)
+  static constexpr Index kDecodeRows = 16;          ///< a sequence with Sq·G ≤ this reads K in place (no packing)
+  static constexpr Index kDecodeKeys = 1024;        ///< keys per decoding block: all of its K, then all of its V
+  static constexpr Index kDecodeSub = 64;           ///< keys per row-group pass when a decoding block has > 4 rows
   /// Keys ahead that the decoding kernels prefetch (whole rows; 32 rows of D = 128 floats are 16 KiB ahead of the
   /// loads). bench/README.md, "Decode rework", gives the measurement behind it.
   static constexpr Index kDecodePrefetchKeys = 32;
-  static_assert(kPanel == 2 * kLanes && kChunk == 2 * kLanes,
-                "qkv: the micro-kernels hold two vectors per row: another width needs micro-kernels to match");
+  /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
+  /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB), and whole key rows prefetched ahead.
+  static constexpr Index kDecodeGroupKeys = 16;
+  static constexpr Index kDecodeGroupPrefetchKeys = 16;
+  /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
+  /// share it: it is one task per chunk, not one per kv head.
+  static constexpr Index kDecodeMinChunks = 4;
+  static_assert(kVectors >= 1 && kVectors <= 4, "qkv: the micro-kernels hold 1 to 4 vectors per row");
   static_assert(kStrip >= 1 && kStrip <= 6, "qkv: dispatch_rows instantiates strips of 1 to 6 rows");
   static_assert(kBlockM % kStrip == 0, "qkv: kBlockM must be a multiple of kStrip");
   static_assert(kBlockN % kPanel == 0, "qkv: kBlockN must be a multiple of the panel width");

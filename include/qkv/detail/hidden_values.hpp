@@ -31,32 +31,34 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// read into the arithmetic (docs/design.md: select, never multiply by zero). Scalar: such tiles are rare. One fused
 /// multiply-add per key, in key order, as the vector kernels do, so the rows a poisoned slot cannot reach get the same
 /// bits as without the poison in every build (a plain `+= a·b` is contracted to an FMA or not depending on -march).
-inline void pv_skip_zero_weights(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+/// V is stored as S (float, Eigen::half, Eigen::bfloat16), each value converted exactly.
+template <class S>
+inline void pv_skip_zero_weights(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo,
                                  Index Dv, Index n_rows) noexcept {
   for (Index r = 0; r < n_rows; ++r) {
     const float* weights = p + r * ldp;
     float* out = o + r * ldo;
     for (Index j = 0; j < keys; ++j) {
       if (weights[j] == 0.0f) continue;
-      const float* value = v + j * ldv;
-      for (Index d = 0; d < Dv; ++d) out[d] = std::fma(weights[j], value[d], out[d]);
+      const S* value = v + j * ldv;
+      for (Index d = 0; d < Dv; ++d) out[d] = std::fma(weights[j], simd::to_float(value[d]), out[d]);
     }
   }
 }
 
-/// Whether the first n floats of `rows` rows (`ld` apart) are all finite: Σ x·0 is 0 for finite x and NaN
-/// otherwise. Vectorized; reads exactly those floats.
-template <class Tag>
-inline bool all_finite(const float* rows, Index n_rows, Index n, Index ld) noexcept {
+/// Whether the first n elements of `rows` rows (`ld` apart, stored as S) are all finite: Σ x·0 is 0 for finite x
+/// and NaN otherwise. Vectorized; reads exactly those elements.
+template <class Tag, class S>
+inline bool all_finite(const S* rows, Index n_rows, Index n, Index ld) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   const auto zero_vector = zero(Tag());
   auto acc = zero(Tag());
   const Index full = n / L * L;
   for (Index r = 0; r < n_rows; ++r) {
-    const float* row = rows + r * ld;
-    for (Index d = 0; d < full; d += L) acc = add(acc, mul(load(Tag(), row + d), zero_vector));
-    if (full < n) acc = add(acc, mul(load_partial(Tag(), row + full, static_cast<int>(n - full)), zero_vector));
+    const S* row = rows + r * ld;
+    for (Index d = 0; d < full; d += L) acc = add(acc, mul(load_kv(Tag(), row + d), zero_vector));
+    if (full < n) acc = add(acc, mul(load_kv_partial(Tag(), row + full, static_cast<int>(n - full)), zero_vector));
   }
   return reduce_sum(Tag(), acc) == 0.0f;
 }

@@ -41,12 +41,14 @@ class OnlineSoftmax {
       : row_max_(row_max), row_sum_(row_sum), row_nan_(row_nan), acc_o_(acc_o), Dv_(Dv) {}
 
   /// exp in the softmax's base, vector and scalar (apart: with the scalar tag, Vec is float, and its simd::exp is
-  /// not std::exp).
+  /// not std::exp). Unqualified calls, found by argument-dependent lookup at instantiation: a tag defined after this
+  /// header (the tests' emulated one) brings its own exp and exp2.
   static Vec vector_exp(Vec x) noexcept {
+    using namespace simd;
     if constexpr (kBase2) {
-      return simd::exp2(Tag(), x);
+      return exp2(Tag(), x);
     } else {
-      return simd::exp(Tag(), x);
+      return exp(Tag(), x);
     }
   }
   static float scalar_exp(float x) noexcept { return kBase2 ? std::exp2(x) : std::exp(x); }

@@ -1,8 +1,8 @@
 // qkv/detail/pack.hpp — K and V of a prefill sequence, copied once per (sequence, kv head) into the layouts the
 // prefill micro-kernels stream (prefill_kernels.hpp).
 //
-//   K: panels of kPanel = 2·lanes keys, [panel][d][key], the last panel zero-padded;
-//   V: chunks of 2·lanes columns, [chunk][key][2·lanes], the last chunk's columns past Dv zero-padded.
+//   K: panels of kPanel = kVectors·lanes keys, [panel][d][key], the last panel zero-padded;
+//   V: chunks of kChunk columns, [chunk][key][kChunk], the last chunk's columns past Dv zero-padded.
 //
 // Decoding sequences are not packed (decode_kernels.hpp reads K and V in place).
 //
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "qkv/config.hpp"
@@ -28,6 +29,7 @@
 #include "qkv/detail/attention_shape.hpp"
 #include "qkv/detail/fused_tiles.hpp"
 #include "qkv/detail/threads.hpp"
+#include "qkv/simd/simd.hpp"
 #include "qkv/tensor_view.hpp"
 
 namespace qkv {
@@ -35,12 +37,33 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// Packs the first `skv` keys of k (rows of D floats, `ld` apart) into panels of kPanel keys laid out
-/// [panel][d][key], zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out: they make a
-/// score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base (query_block.hpp,
-/// base2_fits).
-template <class Tag>
-float pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noexcept {
+/// The first n stored elements at src as floats: src itself for float storage; for 16-bit storage, converted
+/// (exactly, in registers where the tag can: simd::load_kv) into `buffer` (n floats).
+template <class Tag, class S>
+const float* row_as_float(const S* src, Index n, float* buffer) noexcept {
+  if constexpr (std::is_same_v<S, float>) {
+    (void)n;
+    (void)buffer;
+    return src;
+  } else {
+    using namespace simd;
+    constexpr int L = Tag::kLanes;
+    const Index full = n / L * L;
+    for (Index d = 0; d < full; d += L) store(Tag(), buffer + d, load_kv(Tag(), src + d));
+    if (full < n) {
+      const int tail = static_cast<int>(n - full);
+      store_partial(Tag(), buffer + full, load_kv_partial(Tag(), src + full, tail), tail);
+    }
+    return buffer;
+  }
+}
+
+/// Packs the first `skv` keys of k (rows of D elements stored as S, `ld` apart) into panels of kPanel keys laid
+/// out [panel][d][key] in float, zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out:
+/// they make a score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base
+/// (query_block.hpp, base2_fits). `row` is scratch of D floats (16-bit storage converts a key row into it first).
+template <class Tag, class S>
+float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* row) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel;
   const Index panels = (skv + kPanel - 1) / kPanel;
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -50,7 +73,7 @@ float pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noe
     const Index keys = std::min<Index>(kPanel, skv - p * kPanel);
     for (Index j = 0; j < kPanel; ++j) {
       if (j < keys) {
-        const float* src = k + (p * kPanel + j) * ld;
+        const float* src = row_as_float<Tag>(k + (p * kPanel + j) * ld, D, row);
         for (Index d = 0; d < D; ++d) {
           dst[d * kPanel + j] = src[d];
           const float a = std::fabs(src[d]);
@@ -64,17 +87,18 @@ float pack_keys(const float* k, Index ld, Index skv, Index D, float* packed) noe
   return abs_max;
 }
 
-/// Packs the first `skv` values (rows of Dv floats, `ld` apart) into column chunks of 2·lanes laid out
-/// [chunk][key][2·lanes], zero-padding the last chunk's columns past Dv: P·V then streams each chunk of a tile as one
-/// contiguous block (V read in place crosses a 4 KiB page every few keys, where the hardware prefetchers stop).
-template <class Tag>
-void pack_values(const float* v, Index ld, Index skv, Index Dv, float* packed) noexcept {
+/// Packs the first `skv` values (rows of Dv elements stored as S, `ld` apart) into column chunks of kChunk floats
+/// laid out [chunk][key][kChunk], zero-padding the last chunk's columns past Dv: P·V then streams each chunk of a
+/// tile as one contiguous block (V read in place crosses a 4 KiB page every few keys, where the hardware prefetchers
+/// stop). `row` is scratch of kChunk floats.
+template <class Tag, class S>
+void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float* row) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
   for (Index c = 0; c < Dv; c += kChunk) {
     const Index width = std::min(kChunk, Dv - c);
     float* dst = packed + c * skv;
     for (Index j = 0; j < skv; ++j) {
-      const float* src = v + j * ld + c;
+      const float* src = row_as_float<Tag>(v + j * ld + c, width, row);
       for (Index d = 0; d < width; ++d) dst[j * kChunk + d] = src[d];
       for (Index d = width; d < kChunk; ++d) dst[j * kChunk + d] = 0.0f;
     }
@@ -82,7 +106,8 @@ void pack_values(const float* v, Index ld, Index skv, Index Dv, float* packed) n
 }
 
 /// K and V of every prefill sequence of a call, packed once per (sequence, kv head) with the largest finite |k| of
-/// each (the bound base2_fits needs); the prefill tasks read them, decoding sequences (`decode[b]` set) are skipped.
+/// each (the bound base2_fits needs), in float whatever their storage S; the prefill tasks read them, decoding
+/// sequences (`decode[b]` set) are skipped.
 /// With OpenMP, (sequence, kv head) pairs are shared among threads when the copy is large enough to pay for a team.
 template <class Tag>
 class PackedKV {
@@ -90,7 +115,8 @@ class PackedKV {
   static constexpr int kPanel = FusedTiles<Tag>::kPanel;
   static constexpr int kChunk = FusedTiles<Tag>::kChunk;
 
-  void pack(const AttentionShape& shape, const TensorView4<const float>& k, const TensorView4<const float>& v,
+  template <class S>
+  void pack(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v,
             const std::vector<char>& decode) {
     Hkv_ = shape.Hkv;
     const Index n = shape.n_sequences * shape.Hkv;
@@ -114,6 +140,8 @@ class PackedKV {
 #endif
     {
       observe_team();
+      // A converted key row or value chunk (16-bit storage only).
+      std::vector<float> row(std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(std::max<Index>(shape.D, kChunk)));
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -124,10 +152,10 @@ class PackedKV {
         if (skv == 0 || shape.q_rows[s].length == 0 || decode[s]) continue;
         const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
         key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
-                                                      keys_.data() + key_offset_[index(b, h_kv)]);
+                                                      keys_.data() + key_offset_[index(b, h_kv)], row.data());
         if (shape.Dv > 0) {
           pack_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
-                           values_.data() + value_offset_[index(b, h_kv)]);
+                           values_.data() + value_offset_[index(b, h_kv)], row.data());
         }
       }
     }

@@ -1,8 +1,8 @@
 // qkv/detail/prefill_kernels.hpp — the prefill micro-kernels: Q·Kᵀ over packed key panels and P·V over packed
 // value chunks, kStrip query rows at a time with every accumulator in registers.
 //
-// Per strip of R ≤ kStrip rows (fused_tiles.hpp) and panel of 2·lanes keys, qk_panel holds R × 2 vectors of scores;
-// per chunk of 2·lanes Dv columns, pv_chunk holds R × 2 vectors of acc_o. Both read one packed stream (pack.hpp)
+// Per strip of R ≤ kStrip rows (fused_tiles.hpp) and panel of kPanel = kVectors·lanes keys, qk_panel holds
+// R × kVectors vectors of scores; per chunk of kChunk Dv columns, pv_chunk holds R × kVectors vectors of acc_o. Both read one packed stream (pack.hpp)
 // front to back and broadcast the other operand.
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
@@ -28,33 +28,31 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// c[r][0 .. 2·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. 2·lanes) for R rows (R ≤ kStrip),
-/// n steps of k: the prefill micro-kernel. 2R accumulators stay in registers; each step loads two vectors of b and
-/// broadcasts one a per row. Q·Kᵀ is this over a packed key panel (qk_panel) and P·V over a packed value chunk
-/// (pv_chunk). Kept apart from the tail kernel below: with both in one function clang spilled an accumulator of the
-/// full-width loop to the stack.
+/// c[r][0 .. kVectors·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. kVectors·lanes) for R rows
+/// (R ≤ kStrip), n steps of k: the prefill micro-kernel. R × kVectors accumulators stay in registers; each step loads
+/// kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is this over a packed key panel (qk_panel) and P·V over a
+/// packed value chunk (pv_chunk). Kept apart from the tail kernel below: with both in one function clang spilled an
+/// accumulator of the full-width loop to the stack.
 template <class Tag, int R, bool kAccumulate>
 inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c,
                               Index ldc) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
-  typename Tag::Vec acc[R][2];
+  constexpr int NV = FusedTiles<Tag>::kVectors;
+  typename Tag::Vec acc[R][NV];
   QKV_UNROLL for (int r = 0; r < R; ++r) {
-    acc[r][0] = kAccumulate ? load(Tag(), c + r * ldc) : zero(Tag());
-    acc[r][1] = kAccumulate ? load(Tag(), c + r * ldc + L) : zero(Tag());
+    QKV_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? load(Tag(), c + r * ldc + v * L) : zero(Tag());
   }
   for (Index k = 0; k < n; ++k) {
-    const auto b0 = load(Tag(), b + k * ldb);
-    const auto b1 = load(Tag(), b + k * ldb + L);
+    typename Tag::Vec bv[NV];
+    QKV_UNROLL for (int v = 0; v < NV; ++v) bv[v] = load(Tag(), b + k * ldb + v * L);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
       const auto ab = set1(Tag(), a[r * lda + k]);
-      acc[r][0] = fmadd(ab, b0, acc[r][0]);
-      acc[r][1] = fmadd(ab, b1, acc[r][1]);
+      QKV_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(ab, bv[v], acc[r][v]);
     }
   }
   QKV_UNROLL for (int r = 0; r < R; ++r) {
-    store(Tag(), c + r * ldc, acc[r][0]);
-    store(Tag(), c + r * ldc + L, acc[r][1]);
+    QKV_UNROLL for (int v = 0; v < NV; ++v) store(Tag(), c + r * ldc + v * L, acc[r][v]);
   }
 }
 
@@ -70,35 +68,35 @@ inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index
   strip_times_panel<Tag, R, true>(p, ldp, v, ldv, keys, o, ldo);
 }
 
-/// pv_chunk for the last `width` < 2·lanes columns of Dv: masked loads and stores, nothing past the row is touched.
+/// pv_chunk for the last `width` < kChunk columns of Dv: masked loads and stores (vector v covers columns
+/// [v·lanes, v·lanes + n_v), n_v possibly 0), nothing past the row is touched.
 template <class Tag, int R>
 inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
                           int width) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
-  typename Tag::Vec acc[R][2];
-  const int n0 = std::min(width, L), n1 = std::max(0, width - L);
+  constexpr int NV = FusedTiles<Tag>::kVectors;
+  typename Tag::Vec acc[R][NV];
+  int count[NV];
+  QKV_UNROLL for (int u = 0; u < NV; ++u) count[u] = std::min(L, std::max(0, width - u * L));
   QKV_UNROLL for (int r = 0; r < R; ++r) {
-    acc[r][0] = load_partial(Tag(), o + r * ldo, n0);
-    acc[r][1] = load_partial(Tag(), o + r * ldo + L, n1);
+    QKV_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = load_partial(Tag(), o + r * ldo + u * L, count[u]);
   }
   for (Index j = 0; j < keys; ++j) {
-    const auto v0 = load_partial(Tag(), v + j * ldv, n0);
-    const auto v1 = load_partial(Tag(), v + j * ldv + L, n1);
+    typename Tag::Vec vv[NV];
+    QKV_UNROLL for (int u = 0; u < NV; ++u) vv[u] = load_partial(Tag(), v + j * ldv + u * L, count[u]);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
       const auto pb = set1(Tag(), p[r * ldp + j]);
-      acc[r][0] = fmadd(pb, v0, acc[r][0]);
-      acc[r][1] = fmadd(pb, v1, acc[r][1]);
+      QKV_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = fmadd(pb, vv[u], acc[r][u]);
     }
   }
   QKV_UNROLL for (int r = 0; r < R; ++r) {
-    store_partial(Tag(), o + r * ldo, acc[r][0], n0);
-    store_partial(Tag(), o + r * ldo + L, acc[r][1], n1);
+    QKV_UNROLL for (int u = 0; u < NV; ++u) store_partial(Tag(), o + r * ldo + u * L, acc[r][u], count[u]);
   }
 }
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
-/// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of 2·lanes
+/// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of kChunk
 /// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail.
 template <class Tag, int R>
 inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,

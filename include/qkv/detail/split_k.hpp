@@ -32,24 +32,34 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// One task of the fused kernel: the query rows of one (sequence, kv head, query tile) and the keys it covers.
+/// One task of the fused kernel: the query rows of one (sequence, kv head, query tile) and the keys it covers. A
+/// decoding task over token-major K and V covers several kv heads (h_kv … h_kv + n_kv − 1), so that it reads whole
+/// key rows; its block rows are those of each head's group in turn.
 struct FusedTask {
   Index sequence = 0;
   Index h_kv = 0;
+  Index n_kv = 1;                    ///< kv heads of the task
   Index i_begin = 0, i_end = 0;      ///< query rows of the sequence (every head of the group)
   Index key_begin = 0, key_end = 0;  ///< keys of this task: all of them, or one split-K chunk
   Index partial = -1;                ///< split tasks: index of their (out, lse) slot; −1 = write the output
 };
 
+/// How one sequence is cut into tasks: kv heads per task and keys per split-K chunk.
+struct SequencePlan {
+  Index kv_heads = 1;
+  Index split_keys = 0;
+};
+
 /// Every task of a call, in (sequence, kv head, query tile, key chunk) order, and the partial slots of the split
-/// ones: M_max = G · rows_per_tile rows of Dv floats and one lse each.
+/// ones: max_rows() = the most block rows of a task (G · rows_per_tile, or G · Sq · n_kv for a multi-head decoding
+/// task) rows of Dv floats and one lse each.
 class FusedTasks {
  public:
-  /// Builds the tasks of `shape` for query tiles of `rows_per_tile` rows and split-K chunks of `split_keys` keys.
-  void build(const AttentionShape& shape, Index rows_per_tile, Index split_keys) {
+  /// Builds the tasks of `shape` for query tiles of `rows_per_tile` rows, each sequence cut as plans[b] says.
+  void build(const AttentionShape& shape, Index rows_per_tile, const std::vector<SequencePlan>& plans) {
     G_ = shape.group;
     Dv_ = shape.Dv;
-    max_rows_ = G_ * rows_per_tile;
+    max_rows_ = 0;
     tasks_.clear();
     Index partials = 0;
     work_ = 0;
@@ -58,20 +68,23 @@ class FusedTasks {
       const Index sq = shape.q_rows[s].length, skv = shape.key_counts[s];
       if (sq == 0 || G_ == 0) continue;  // no query rows, or no query heads (Hq = 0): nothing to write
       const Index tiles = (sq + rows_per_tile - 1) / rows_per_tile;
+      const Index split_keys = plans[s].split_keys, kv_heads = std::max<Index>(1, plans[s].kv_heads);
       const Index chunks = tiles == 1 && skv > split_keys ? (skv + split_keys - 1) / split_keys : 1;
-      for (Index h_kv = 0; h_kv < shape.Hkv; ++h_kv) {
+      for (Index h_kv = 0; h_kv < shape.Hkv; h_kv += kv_heads) {
         for (Index tile = 0; tile < tiles; ++tile) {
           for (Index c = 0; c < chunks; ++c) {
             FusedTask t;
             t.sequence = b;
             t.h_kv = h_kv;
+            t.n_kv = std::min(kv_heads, shape.Hkv - h_kv);
             t.i_begin = tile * rows_per_tile;
             t.i_end = std::min(sq, t.i_begin + rows_per_tile);
             t.key_begin = chunks == 1 ? 0 : c * split_keys;
             t.key_end = chunks == 1 ? skv : std::min(skv, (c + 1) * split_keys);
             t.partial = chunks == 1 ? -1 : partials++;
             tasks_.push_back(t);
-            work_ += (t.i_end - t.i_begin) * G_ * (t.key_end - t.key_begin) * (shape.D + shape.Dv);
+            max_rows_ = std::max(max_rows_, rows(t));
+            work_ += rows(t) * (t.key_end - t.key_begin) * (shape.D + shape.Dv);
           }
         }
       }
@@ -81,6 +94,10 @@ class FusedTasks {
     partial_lse_.resize(static_cast<std::size_t>(std::max<Index>(1, partials * max_rows_)));
   }
 
+  /// Block rows of task t: G per query row and kv head.
+  Index rows(const FusedTask& t) const noexcept { return G_ * t.n_kv * (t.i_end - t.i_begin); }
+  /// The most block rows of any task (0 without tasks).
+  Index max_rows() const noexcept { return max_rows_; }
   const std::vector<FusedTask>& tasks() const noexcept { return tasks_; }
   /// Multiply-adds of every task, an upper bound (for the threading decision).
   Index work() const noexcept { return work_; }
@@ -110,7 +127,7 @@ class FusedTasks {
              tasks_[last + 1].h_kv == t.h_kv && tasks_[last + 1].i_begin == t.i_begin) {
         ++last;
       }
-      const Index M = G_ * (t.i_end - t.i_begin);
+      const Index M = rows(t);
       for (Index r = 0; r < M; ++r) {
         const Index slot0 = t.partial * max_rows_ + r;
         std::copy(partial_out_.data() + slot0 * Dv_, partial_out_.data() + (slot0 + 1) * Dv_, o.begin());

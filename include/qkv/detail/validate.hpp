@@ -9,6 +9,7 @@
 // throws shape_error (aborts without exceptions) with the function, argument, axis and both sizes in the message.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -169,9 +170,9 @@ void check_cu_seqlens(const char* function, const char* name, const std::vector<
 }
 
 /// Validates q, k, the options and (when given) v, out and lse; returns the call's shape. Throws shape_error.
-template <class T>
-AttentionShape validate(const char* function, const TensorView4<const T>& q, const TensorView4<const T>& k,
-                        const TensorView4<const T>* v, const TensorView4<T>* out, const TensorView3<T>* lse,
+template <class T, class S = T>
+AttentionShape validate(const char* function, const TensorView4<const T>& q, const TensorView4<const S>& k,
+                        const non_deduced_t<TensorView4<const S>>* v, const TensorView4<T>* out, const TensorView3<T>* lse,
                         const AttentionOptions<T>& options) {
   static const char* const q_names[] = {"B", "Hq", "Sq", "D"};
   static const char* const k_names[] = {"B", "Hkv", "Skv", "D"};
@@ -205,12 +206,13 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
       check_extent(function, "out", *out, axis, out_names, expected[axis], from[axis]);
     check_shape(self_overlap_free(*out), function, ": out has strides whose elements overlap (", layout_string(*out),
                 "): distinct indices would write the same element");
-    const TensorView4<const T>* inputs[] = {&q, &k, v};
-    const char* const input_names[] = {"q", "k", "v"};
-    for (int n = 0; n < 3; ++n) {
-      check_shape(!overlaps(*out, *inputs[n]), function, ": out overlaps an input (", input_names[n],
-                  "): ", overlap_string("out", *out, input_names[n], *inputs[n]), "; outputs must not alias inputs");
-    }
+    const auto check_input = [&](const char* name, const auto& input) {
+      check_shape(!overlaps(*out, input), function, ": out overlaps an input (", name, "): ",
+                  overlap_string("out", *out, name, input), "; outputs must not alias inputs");
+    };
+    check_input("q", q);
+    check_input("k", k);
+    if (v != nullptr) check_input("v", *v);
   }
   if (lse != nullptr) {
     check_view(function, "lse", *lse, lse_names);
@@ -219,12 +221,13 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
       check_extent(function, "lse", *lse, axis, lse_names, expected[axis], "the extents of q axes 0-2");
     check_shape(self_overlap_free(*lse), function, ": lse has strides whose elements overlap (", layout_string(*lse),
                 "): distinct indices would write the same element");
-    const TensorView4<const T>* inputs[] = {&q, &k, v};
-    const char* const input_names[] = {"q", "k", "v"};
-    for (int n = 0; n < 3; ++n) {
-      check_shape(inputs[n] == nullptr || !overlaps(*lse, *inputs[n]), function, ": lse overlaps an input (",
-                  input_names[n], "): ", overlap_string("lse", *lse, input_names[n], *inputs[n]));
-    }
+    const auto check_input = [&](const char* name, const auto& input) {
+      check_shape(!overlaps(*lse, input), function, ": lse overlaps an input (", name, "): ",
+                  overlap_string("lse", *lse, name, input));
+    };
+    check_input("q", q);
+    check_input("k", k);
+    if (v != nullptr) check_input("v", *v);
     check_shape(out == nullptr || !overlaps(*lse, *out), function,
                 ": lse overlaps out: ", out == nullptr ? std::string() : overlap_string("lse", *lse, "out", *out));
   }
@@ -258,6 +261,28 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
       check_shape(!std::isnan(sink) && sink != std::numeric_limits<T>::infinity(), function, ": options.sinks[", h,
                   "] is ", sink, ", expected a finite number or -inf");
     }
+  }
+
+  // Global positions: the call's rows are a shard of a longer sequence (options.hpp, GlobalPositions).
+  Index key_length_bound = Skv;  // key lengths are counted in the view's keys, or in the global ones
+  Index k_begin = 0;
+  if (options.global_positions) {
+    const GlobalPositions& g = *options.global_positions;
+    check_shape(g.q_begin >= 0 && g.k_begin >= 0 && g.sq >= 0 && g.skv >= 0, function,
+                ": options.global_positions is {q_begin ", g.q_begin, ", k_begin ", g.k_begin, ", sq ", g.sq, ", skv ",
+                g.skv, "}, expected no negative field");
+    // Written without q_begin + Sq, which could overflow for absurd positions.
+    check_shape(Sq <= g.sq && g.q_begin <= g.sq - Sq, function, ": options.global_positions puts q's ", Sq,
+                " rows (q axis 2, Sq) from global row ", g.q_begin, ", past the global Sq ", g.sq,
+                " (expected q_begin + Sq <= sq)");
+    check_shape(Skv <= g.skv && g.k_begin <= g.skv - Skv, function, ": options.global_positions puts k's ", Skv,
+                " rows (k axis 2, Skv) from global row ", g.k_begin, ", past the global Skv ", g.skv,
+                " (expected k_begin + Skv <= skv)");
+    check_shape(options.cu_seqlens_q.empty() && options.cu_seqlens_k.empty(), function,
+                ": options.global_positions cannot be combined with cu_seqlens (cu_seqlens_q has ",
+                options.cu_seqlens_q.size(), " entries, cu_seqlens_k ", options.cu_seqlens_k.size(), ")");
+    key_length_bound = g.skv;
+    k_begin = g.k_begin;
   }
 
   AttentionShape shape;
@@ -296,8 +321,10 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
     check_shape(static_cast<Index>(options.key_lengths.size()) == B, function, ": options.key_lengths has ",
                 options.key_lengths.size(), " entries, expected ", B, " (one per batch entry, q axis 0)");
     for (std::size_t b = 0; b < options.key_lengths.size(); ++b) {
-      check_shape(options.key_lengths[b] >= 0 && options.key_lengths[b] <= Skv, function, ": options.key_lengths[", b,
-                  "] is ", options.key_lengths[b], ", expected a length in [0, ", Skv, "] (k axis 2, Skv)");
+      check_shape(options.key_lengths[b] >= 0 && options.key_lengths[b] <= key_length_bound, function,
+                  ": options.key_lengths[", b, "] is ", options.key_lengths[b], ", expected a length in [0, ",
+                  key_length_bound, "] (", options.global_positions ? "options.global_positions.skv" : "k axis 2, Skv",
+                  ")");
     }
   }
   if (has_allowed) check_mask_view<const bool, T>(function, "options.allowed", options.allowed, B, Hq, Sq, Skv);
@@ -306,7 +333,10 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
   for (Index b = 0; b < B; ++b) {
     shape.q_rows.push_back({0, Sq});
     shape.kv_rows.push_back({0, Skv});
-    shape.key_counts.push_back(options.key_lengths.empty() ? Skv : options.key_lengths[static_cast<std::size_t>(b)]);
+    // Skv_b counted in this view's keys: the keys before the (global) length that the view holds.
+    const Index length =
+        options.key_lengths.empty() ? key_length_bound : options.key_lengths[static_cast<std::size_t>(b)];
+    shape.key_counts.push_back(std::clamp<Index>(length - k_begin, 0, Skv));
   }
   return shape;
 }

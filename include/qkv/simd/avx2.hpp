@@ -11,6 +11,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "qkv/isa.hpp"
 #include "qkv/simd/exp_constants.hpp"
@@ -43,6 +45,26 @@ inline __m256 load_partial(Avx2Tag tag, const float* p, int n) noexcept {
 inline void store_partial(Avx2Tag tag, float* p, __m256 v, int n) noexcept {
   _mm256_maskstore_ps(p, first_lanes(tag, n), v);
 }
+/// Eight stored keys or values as floats: float loaded, 16-bit converted exactly in registers (IEEE half by
+/// vcvtph2ps, F16C; bfloat16 by moving its bits to the top half of each float lane).
+inline __m256 load_kv(Avx2Tag tag, const float* p) noexcept { return load(tag, p); }
+inline __m256 load_kv_partial(Avx2Tag tag, const float* p, int n) noexcept { return load_partial(tag, p, n); }
+inline __m256 load_kv(Avx2Tag, const Eigen::half* p) noexcept {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_kv(Avx2Tag, const Eigen::bfloat16* p) noexcept {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+/// The first n (0 ≤ n ≤ 8) of them, the other lanes zero (AVX2 has no 16-bit masked load: n elements are copied
+/// to a zeroed buffer first, so nothing past p + n is read).
+template <class S, class = std::enable_if_t<std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>>>
+inline __m256 load_kv_partial(Avx2Tag tag, const S* p, int n) noexcept {
+  S lanes[8] = {};
+  std::memcpy(lanes, p, sizeof(S) * static_cast<std::size_t>(n));
+  return load_kv(tag, lanes);
+}
+
 inline __m256 add(__m256 a, __m256 b) noexcept { return _mm256_add_ps(a, b); }
 inline __m256 sub(__m256 a, __m256 b) noexcept { return _mm256_sub_ps(a, b); }
 inline __m256 mul(__m256 a, __m256 b) noexcept { return _mm256_mul_ps(a, b); }

@@ -45,6 +45,26 @@ inline __m512 load_partial(Avx512Tag, const float* p, int n) noexcept {
 inline void store_partial(Avx512Tag, float* p, __m512 v, int n) noexcept {
   _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
 }
+/// Sixteen stored 16-bit keys or values as floats, converted exactly in registers: IEEE half by vcvtph2ps, bfloat16
+/// by moving its bits to the top half of each float lane; the partial forms load the first n (0 ≤ n ≤ 16) with a
+/// masked 16-bit load (AVX512BW + VL) and zero the other lanes, touching nothing past p + n.
+inline __m512 load_kv(Avx512Tag tag, const float* p) noexcept { return load(tag, p); }
+inline __m512 load_kv_partial(Avx512Tag tag, const float* p, int n) noexcept { return load_partial(tag, p, n); }
+inline __m512 load_kv(Avx512Tag, const Eigen::half* p) noexcept {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_kv(Avx512Tag, const Eigen::bfloat16* p) noexcept {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load_kv_partial(Avx512Tag, const Eigen::half* p, int n) noexcept {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p));
+}
+inline __m512 load_kv_partial(Avx512Tag, const Eigen::bfloat16* p, int n) noexcept {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 inline __m512 add(__m512 a, __m512 b) noexcept { return _mm512_add_ps(a, b); }
 inline __m512 sub(__m512 a, __m512 b) noexcept { return _mm512_sub_ps(a, b); }
 inline __m512 mul(__m512 a, __m512 b) noexcept { return _mm512_mul_ps(a, b); }

@@ -32,6 +32,16 @@ inline float load_partial(ScalarTag, const float* p, int n) noexcept { return n 
 inline void store_partial(ScalarTag, float* p, float v, int n) noexcept {
   if (n > 0) *p = v;
 }
+/// A stored key or value (float, Eigen::half, Eigen::bfloat16) as a float, exactly; the partial form reads it only
+/// when n > 0.
+template <class S>
+inline float load_kv(ScalarTag, const S* p) noexcept {
+  return static_cast<float>(*p);
+}
+template <class S>
+inline float load_kv_partial(ScalarTag, const S* p, int n) noexcept {
+  return n > 0 ? static_cast<float>(*p) : 0.0f;
+}
 inline float add(float a, float b) noexcept { return a + b; }
 inline float sub(float a, float b) noexcept { return a - b; }
 inline float mul(float a, float b) noexcept { return a * b; }

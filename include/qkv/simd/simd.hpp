@@ -3,10 +3,14 @@
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
-// reduce_sum, reduce_sum4 (four lane sums at once), exp, exp2; and prefetch (no tag: a hint with no result).
+// reduce_sum, reduce_sum4 (four lane sums at once), exp, exp2; load_kv / load_kv_partial (stored keys or values:
+// float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and prefetch (no tag: a hint, no result).
 // Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different
 // flags never share a definition.
 #pragma once
+
+#include <cstring>
+#include <type_traits>
 
 #include "qkv/config.hpp"
 #include "qkv/simd/avx2.hpp"
@@ -19,12 +23,45 @@ inline namespace QKV_ISA_NAME {
 
 /// Hints that the 64-byte line holding p will be read soon (a software prefetch into all cache levels). It never
 /// faults and has no effect on results; a no-op where the compiler offers no prefetch builtin.
-inline void prefetch(const float* p) noexcept {
+inline void prefetch(const void* p) noexcept {
 #if defined(__GNUC__)
   __builtin_prefetch(p, 0, 3);
 #else
   (void)p;
 #endif
+}
+
+/// The float value of a stored key or value, exact for every storage type (Eigen's conversions: a 16-bit ±∞ or NaN
+/// stays ±∞ or NaN, a subnormal half becomes the same number).
+template <class S>
+inline float to_float(S x) noexcept {
+  return static_cast<float>(x);
+}
+
+/// A vector of kLanes stored keys or values as floats, for a tag without load_kv overloads of its own (the tests'
+/// emulated one): float loads directly, a 16-bit type converts element by element. The scalar, AVX2 and AVX-512 tags
+/// define their own (inside their target regions: a template defined out here would be instantiated without the
+/// target, which breaks the vector ABI), and overload resolution prefers them.
+template <class Tag, class S>
+inline typename Tag::Vec load_kv(Tag tag, const S* p) noexcept {
+  if constexpr (std::is_same_v<S, float>) {
+    return load(tag, p);
+  } else {
+    float lanes[Tag::kLanes];
+    for (int i = 0; i < Tag::kLanes; ++i) lanes[i] = to_float(p[i]);
+    return load(tag, lanes);
+  }
+}
+/// The first n (0 ≤ n ≤ kLanes) stored keys or values as floats, the other lanes zero; nothing past p + n is read.
+template <class Tag, class S>
+inline typename Tag::Vec load_kv_partial(Tag tag, const S* p, int n) noexcept {
+  if constexpr (std::is_same_v<S, float>) {
+    return load_partial(tag, p, n);
+  } else {
+    float lanes[Tag::kLanes] = {};
+    for (int i = 0; i < n; ++i) lanes[i] = to_float(p[i]);
+    return load(tag, lanes);
+  }
 }
 
 /// The best tag the build's flags enable, for code compiled with those flags that calls the ops directly (the ops'
