@@ -27,6 +27,7 @@
 #include "brute_force.hpp"
 #include "qkv/attention.hpp"
 #include "support/expect_shape_error.hpp"
+#include "support/max_error.hpp"
 #include "support/options.hpp"
 #include "support/plain_float.hpp"
 #include "support/problem.hpp"
@@ -162,30 +163,6 @@ double max_abs(const std::vector<double>& x) {
   double m = 0;
   for (double value : x) m = std::max(m, std::fabs(value));
   return m;
-}
-
-/// The largest |x| over the finite elements.
-double max_finite_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double value : x)
-    if (std::isfinite(value)) m = std::max(m, std::fabs(value));
-  return m;
-}
-
-/// The largest |a − b| over elements where the expected value is finite; an infinite expected value (lse of a row
-/// that sees no key) must be matched exactly.
-double max_error(const std::vector<double>& actual, const std::vector<double>& expected, const std::string& what) {
-  EXPECT_EQ(actual.size(), expected.size()) << what;
-  double error = 0;
-  for (std::size_t n = 0; n < std::min(actual.size(), expected.size()); ++n) {
-    if (std::isinf(expected[n])) {
-      EXPECT_EQ(actual[n], expected[n]) << what << " element " << n;
-      continue;
-    }
-    EXPECT_FALSE(std::isnan(actual[n])) << what << " element " << n << " (expected " << expected[n] << ")";
-    error = std::max(error, std::fabs(actual[n] - expected[n]));
-  }
-  return error;
 }
 
 /// Merges `part` into `acc` with merge_attention_states (in place), in double.
@@ -337,14 +314,14 @@ void check_shards(const MaskCase& c, qkv::Backend backend, const char* label) {
         const std::vector<double> expected_out =
             take_rows(expected_by_key_shard[kc].out, p.B, p.Hq, p.Sq, p.Dv, qa, qb);
         const std::vector<double> expected_lse = take_rows(expected_by_key_shard[kc].lse, p.B, p.Hq, p.Sq, 1, qa, qb);
-        const double out_error = max_error(actual.out, expected_out, what + " out");
-        const double lse_error = max_error(actual.lse, expected_lse, what + " lse");
+        const double out_error = qkv_test::max_error(actual.out, expected_out, what + " out");
+        const double lse_error = qkv_test::max_error(actual.lse, expected_lse, what + " lse");
         if constexpr (std::is_same_v<T, double>) {
           EXPECT_LE(out_error, 1e-12 * v_scale) << what;
-          EXPECT_LE(lse_error, 1e-12 * std::max(1.0, max_finite_abs(expected_lse))) << what;
+          EXPECT_LE(lse_error, 1e-12 * std::max(1.0, qkv_test::max_finite_abs(expected_lse))) << what;
         } else {
           const State plain = plain_shard(pr, qa, qb, ka, kb);
-          const double plain_error = max_error(plain.out, expected_out, what + " plain float out");
+          const double plain_error = qkv_test::max_error(plain.out, expected_out, what + " plain float out");
           EXPECT_LE(out_error, 2 * plain_error + 1e-6 * v_scale)
               << what << " (plain float error " << plain_error << ")";
           for (std::size_t n = 0; n < expected_lse.size(); ++n) {
@@ -367,13 +344,13 @@ void check_shards(const MaskCase& c, qkv::Backend backend, const char* label) {
       const std::string what = std::string(label) + " " + c.name + " merged q [" + std::to_string(qa) + ", " +
                                std::to_string(qb) + ") over " + std::to_string(k_cuts.size() - 1) + " key shards";
       const std::vector<double> whole_out = take_rows(whole.out, p.B, p.Hq, p.Sq, p.Dv, qa, qb);
-      const double merged_error = max_error(merged.out, whole_out, what);
-      (void)max_error(merged.lse, take_rows(whole.lse, p.B, p.Hq, p.Sq, 1, qa, qb), what + " lse");
+      const double merged_error = qkv_test::max_error(merged.out, whole_out, what);
+      (void)qkv_test::max_error(merged.lse, take_rows(whole.lse, p.B, p.Hq, p.Sq, 1, qa, qb), what + " lse");
       if constexpr (std::is_same_v<T, double>) {
         EXPECT_LE(merged_error, 1e-12 * v_scale) << what;
       } else {
         const State plain = plain_shard(pr, qa, qb, 0, p.Skv);
-        const double plain_error = max_error(plain.out, whole_out, what + " plain float");
+        const double plain_error = qkv_test::max_error(plain.out, whole_out, what + " plain float");
         EXPECT_LE(merged_error, 3 * plain_error + 2e-6 * v_scale)
             << what << " (plain float error " << plain_error << ")";
       }
@@ -418,8 +395,8 @@ TEST_P(GlobalPositionsByMask, BruteForceGlobalPositionsAgreeWithTheRestrictedWho
       const brute::Result r = brute::attention(shard.q, shard.k, shard.v, shard.p);
       const std::string what = c.name + " q [" + std::to_string(qa) + ", " + std::to_string(qb) + ") k [" +
                                std::to_string(ka) + ", " + std::to_string(kb) + ")";
-      EXPECT_LE(max_error(r.out, take_rows(restricted.out, p.B, p.Hq, p.Sq, p.Dv, qa, qb), what), 1e-13) << what;
-      EXPECT_LE(max_error(r.lse, take_rows(restricted.lse, p.B, p.Hq, p.Sq, 1, qa, qb), what + " lse"), 1e-12) << what;
+      EXPECT_LE(qkv_test::max_error(r.out, take_rows(restricted.out, p.B, p.Hq, p.Sq, p.Dv, qa, qb), what), 1e-13) << what;
+      EXPECT_LE(qkv_test::max_error(r.lse, take_rows(restricted.lse, p.B, p.Hq, p.Sq, 1, qa, qb), what + " lse"), 1e-12) << what;
     }
   }
 }
@@ -452,7 +429,7 @@ TEST(GlobalPositions, WorkedExampleOfTheDocComment) {
   for (double x : upper.out) EXPECT_EQ(x, 0.0);
   const State lower = run_shard<double>(pr, qkv::Backend::reference, 4, 8, 0, 4);
   const brute::Result all_four = restricted_brute(pr, 0, 4);  // every query i >= 4 sees keys 0..3 alike: compare
-  EXPECT_LE(max_error(lower.out, take_rows(all_four.out, 1, 1, 8, 4, 4, 8), "lower"), 1e-12);
+  EXPECT_LE(qkv_test::max_error(lower.out, take_rows(all_four.out, 1, 1, 8, 4, 4, 8), "lower"), 1e-12);
   // Row 4's restricted brute force over keys 0..3 is unmasked: its lse is the log-sum-exp of all four scores.
   double sum = 0;
   for (Index j = 0; j < 4; ++j) {
@@ -486,8 +463,8 @@ TEST(GlobalPositions, KeyLengthsAreGlobal) {
   for (double lse : past.lse) EXPECT_EQ(lse, -kInf);
   const State straddling = run_shard<double>(pr, qkv::Backend::reference, 0, 6, 4, 8);
   const brute::Result expected = restricted_brute(pr, 4, 8);
-  EXPECT_LE(max_error(straddling.out, expected.out, "straddling"), 1e-12);
-  EXPECT_LE(max_error(straddling.lse, expected.lse, "straddling lse"), 1e-12);
+  EXPECT_LE(qkv_test::max_error(straddling.out, expected.out, "straddling"), 1e-12);
+  EXPECT_LE(qkv_test::max_error(straddling.lse, expected.lse, "straddling lse"), 1e-12);
 }
 
 // ---- errors ------------------------------------------------------------------------------------------------------

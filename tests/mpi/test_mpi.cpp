@@ -28,6 +28,7 @@
 
 #include "brute_force.hpp"
 #include "qkv/mpi.hpp"
+#include "support/max_error.hpp"
 #include "support/options.hpp"
 #include "support/problem.hpp"
 
@@ -221,28 +222,6 @@ Local run_distributed(const qkv_test::Problem& pr, Strategy strategy, ShardLayou
   return {{out.begin(), out.end()}, {lse.begin(), lse.end()}};
 }
 
-double max_abs_finite(const std::vector<double>& x) {
-  double m = 0;
-  for (double value : x)
-    if (std::isfinite(value)) m = std::max(m, std::fabs(value));
-  return m;
-}
-
-/// max |a − e| over elements with a finite expected value; an infinite expected value must match exactly.
-double max_error(const std::vector<double>& actual, const std::vector<double>& expected, const std::string& what) {
-  EXPECT_EQ(actual.size(), expected.size()) << what;
-  double error = 0;
-  for (std::size_t n = 0; n < std::min(actual.size(), expected.size()); ++n) {
-    if (std::isinf(expected[n])) {
-      EXPECT_EQ(actual[n], expected[n]) << what << " element " << n;
-    } else {
-      EXPECT_FALSE(std::isnan(actual[n])) << what << " element " << n;
-      error = std::max(error, std::fabs(actual[n] - expected[n]));
-    }
-  }
-  return error;
-}
-
 /// Runs the case in float and in double with `strategy` and `layout` and checks this rank's rows (see the file
 /// comment for the tolerances).
 void check_case(const Case& c, Strategy strategy, ShardLayout layout) {
@@ -255,8 +234,8 @@ void check_case(const Case& c, Strategy strategy, ShardLayout layout) {
   const auto rows = qkv::mpi::shard_rows(p.Sq, rank, size, layout);
   const std::vector<double> expected_out = gather_rows<double>(expected.out, p.B, p.Hq, p.Sq, p.Dv, rows);
   const std::vector<double> expected_lse = gather_rows<double>(expected.lse, p.B, p.Hq, p.Sq, 1, rows);
-  const double v_scale = std::max(1.0, max_abs_finite(pr.v));
-  const double lse_scale = std::max(1.0, max_abs_finite(expected.lse));
+  const double v_scale = std::max(1.0, qkv_test::max_finite_abs(pr.v));
+  const double lse_scale = std::max(1.0, qkv_test::max_finite_abs(expected.lse));
   const std::string what = c.name + (strategy == Strategy::ring ? " ring " : " ulysses ") +
                            (layout == ShardLayout::zigzag ? "zigzag" : "contiguous") + " rank " + std::to_string(rank) +
                            " of " + std::to_string(size);
@@ -264,10 +243,10 @@ void check_case(const Case& c, Strategy strategy, ShardLayout layout) {
   // double: against the brute force, and against a single-process qkv::attention in double.
   const qkv_test::OwnedOptions<double> o64 = qkv_test::from_brute<double>(p);
   const Local d = run_distributed<double>(pr, strategy, layout, o64.options);
-  EXPECT_LE(max_error(d.out, expected_out, what + " double out"), 1e-12 * v_scale) << what;
-  EXPECT_LE(max_error(d.lse, expected_lse, what + " double lse"), 1e-12 * lse_scale) << what;
+  EXPECT_LE(qkv_test::max_error(d.out, expected_out, what + " double out"), 1e-12 * v_scale) << what;
+  EXPECT_LE(qkv_test::max_error(d.lse, expected_lse, what + " double lse"), 1e-12 * lse_scale) << what;
   const qkv_test::Output single64 = qkv_test::run<double>(pr, qkv::Backend::automatic);
-  EXPECT_LE(max_error(d.out, gather_rows<double>(single64.out, p.B, p.Hq, p.Sq, p.Dv, rows), what + " vs single"),
+  EXPECT_LE(qkv_test::max_error(d.out, gather_rows<double>(single64.out, p.B, p.Hq, p.Sq, p.Dv, rows), what + " vs single"),
             1e-12 * v_scale)
       << what;
 
@@ -275,10 +254,10 @@ void check_case(const Case& c, Strategy strategy, ShardLayout layout) {
   const qkv_test::OwnedOptions<float> o32 = qkv_test::from_brute<float>(p);
   const Local f = run_distributed<float>(pr, strategy, layout, o32.options);
   const qkv_test::Output single = qkv_test::run<float>(pr, qkv::Backend::automatic);
-  const double single_out_error = max_error(single.out, expected.out, what + " single float out");
-  const double single_lse_error = max_error(single.lse, expected.lse, what + " single float lse");
-  const double out_error = max_error(f.out, expected_out, what + " float out");
-  const double lse_error = max_error(f.lse, expected_lse, what + " float lse");
+  const double single_out_error = qkv_test::max_error(single.out, expected.out, what + " single float out");
+  const double single_lse_error = qkv_test::max_error(single.lse, expected.lse, what + " single float lse");
+  const double out_error = qkv_test::max_error(f.out, expected_out, what + " float out");
+  const double lse_error = qkv_test::max_error(f.lse, expected_lse, what + " float lse");
   EXPECT_LE(out_error, 3 * single_out_error + 2e-6 * v_scale)
       << what << " (single-process float error " << single_out_error << ")";
   EXPECT_LE(lse_error, 3 * single_lse_error + 2e-6 * lse_scale)
