@@ -272,18 +272,18 @@ void merge_attention_states(non_deduced_t<TensorView4<const T>> out_a, non_deduc
   const bool out_in_place = out.data() == out_a.data() && out.strides() == out_a.strides();
   const bool lse_in_place = lse.data() == lse_a.data() && lse.strides() == lse_a.strides();
   detail::check_shape(detail::self_overlap_free(out), function, ": out has strides whose elements overlap (",
-                      detail::layout_string(out), "): distinct indices would write the same element");
+                      detail::describe_layout(out), "): distinct indices would write the same element");
   detail::check_shape(detail::self_overlap_free(lse), function, ": lse has strides whose elements overlap (",
-                      detail::layout_string(lse), "): distinct indices would write the same element");
+                      detail::describe_layout(lse), "): distinct indices would write the same element");
   detail::check_shape(out_in_place || !detail::overlaps(out_view, out_a), function,
                       ": out overlaps out_a without being the same view (only exact in-place use is allowed): ",
-                      detail::overlap_string("out", out_view, "out_a", out_a));
+                      detail::describe_overlap("out", out_view, "out_a", out_a));
   detail::check_shape(lse_in_place || !detail::overlaps(lse_view, lse_a), function,
                       ": lse overlaps lse_a without being the same view (only exact in-place use is allowed): ",
-                      detail::overlap_string("lse", lse_view, "lse_a", lse_a));
+                      detail::describe_overlap("lse", lse_view, "lse_a", lse_a));
   const auto check_apart = [function](const char* a_name, const auto& a, const char* b_name, const auto& b) {
     detail::check_shape(!detail::overlaps(a, b), function, ": ", a_name, " overlaps ", b_name, ": ",
-                        detail::overlap_string(a_name, a, b_name, b));
+                        detail::describe_overlap(a_name, a, b_name, b));
   };
   check_apart("out", out_view, "out_b", out_b);
   check_apart("out", out_view, "lse_a", lse_a);

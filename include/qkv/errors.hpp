@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "qkv/config.hpp"
 
@@ -45,6 +46,23 @@ std::string concat(const Parts&... parts) {
   std::ostringstream stream;
   (stream << ... << parts);
   return stream.str();
+}
+
+/// A message part written only when it is streamed: `check_shape` passes its parts by reference and builds the
+/// message only on failure, so a part that takes work to describe (a view's layout, two views' overlap) wraps that
+/// work in a `Deferred` and costs nothing on the success path — no string, no allocation, per call.
+template <class Write>
+struct Deferred {
+  Write write;  // void(std::ostream&)
+};
+template <class Write>
+Deferred<Write> deferred(Write write) {
+  return {std::move(write)};
+}
+template <class Write>
+std::ostream& operator<<(std::ostream& stream, const Deferred<Write>& part) {
+  part.write(stream);
+  return stream;
 }
 
 /// `if (!condition) raise<shape_error>(concat(parts...))`, with the message built only on failure.

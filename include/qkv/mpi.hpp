@@ -337,9 +337,9 @@ std::pair<Index, Index> check_call(MPI_Comm comm, const char* function, const Te
                       static_cast<int>(layout), ", expected ShardLayout::contiguous or ShardLayout::zigzag");
           check_shape(!qkv::detail::is_set(options.allowed), function,
                       ": options.allowed cannot be sharded by position (it has ",
-                      qkv::detail::layout_string(options.allowed), "); not supported by the MPI layer yet");
+                      qkv::detail::describe_layout(options.allowed), "); not supported by the MPI layer yet");
           check_shape(!qkv::detail::is_set(options.bias), function,
-                      ": options.bias cannot be sharded by position (it has ", qkv::detail::layout_string(options.bias),
+                      ": options.bias cannot be sharded by position (it has ", qkv::detail::describe_layout(options.bias),
                       "); not supported by the MPI layer yet");
           check_shape(options.cu_seqlens_q.empty() && options.cu_seqlens_k.empty(), function,
                       ": options.cu_seqlens_q/k (varlen) cannot be sharded by position (cu_seqlens_q has ",

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <ostream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -81,24 +82,31 @@ std::array<std::uintptr_t, 2> byte_span(const TensorView<T, Rank>& view) {
   return {begin, begin + static_cast<std::uintptr_t>(last + 1) * sizeof(T)};
 }
 
-/// "extents [2, 4, 3, 3], strides [36, 9, 3, 1]": how a view lays out its elements, for error messages.
+/// "extents [2, 4, 3, 3], strides [36, 9, 3, 1]": how a view lays out its elements, for error messages; written only
+/// when streamed (a `Deferred` part: check_shape on success builds nothing). `view` must outlive the returned part.
 template <class T, int Rank>
-std::string layout_string(const TensorView<T, Rank>& view) {
-  std::string text = "extents [";
-  for (int axis = 0; axis < Rank; ++axis) text += (axis ? ", " : "") + std::to_string(view.extent(axis));
-  text += "], strides [";
-  for (int axis = 0; axis < Rank; ++axis) text += (axis ? ", " : "") + std::to_string(view.stride(axis));
-  return text + "]";
+auto describe_layout(const TensorView<T, Rank>& view) {
+  return deferred([&view](std::ostream& stream) {
+    stream << "extents [";
+    for (int axis = 0; axis < Rank; ++axis) stream << (axis ? ", " : "") << view.extent(axis);
+    stream << "], strides [";
+    for (int axis = 0; axis < Rank; ++axis) stream << (axis ? ", " : "") << view.stride(axis);
+    stream << "]";
+  });
 }
 
-/// "starts 20 bytes after q, which spans 384 bytes": where two overlapping views lie, for error messages.
+/// "q (384 bytes) starts 20 bytes after the start of k (384 bytes)": where two overlapping views lie, for error
+/// messages; written only when streamed, like describe_layout. The views must outlive the returned part.
 template <class A, int RankA, class B, int RankB>
-std::string overlap_string(const char* a_name, const TensorView<A, RankA>& a, const char* b_name,
-                           const TensorView<B, RankB>& b) {
-  const auto sa = byte_span(a), sb = byte_span(b);
-  const bool after = sa[0] >= sb[0];
-  return concat(a_name, " (", sa[1] - sa[0], " bytes) starts ", after ? sa[0] - sb[0] : sb[0] - sa[0], " bytes ",
-                after ? "after" : "before", " the start of ", b_name, " (", sb[1] - sb[0], " bytes)");
+auto describe_overlap(const char* a_name, const TensorView<A, RankA>& a, const char* b_name,
+                      const TensorView<B, RankB>& b) {
+  return deferred([a_name, &a, b_name, &b](std::ostream& stream) {
+    const auto sa = byte_span(a), sb = byte_span(b);
+    const bool after = sa[0] >= sb[0];
+    stream << a_name << " (" << sa[1] - sa[0] << " bytes) starts " << (after ? sa[0] - sb[0] : sb[0] - sa[0])
+           << " bytes " << (after ? "after" : "before") << " the start of " << b_name << " (" << sb[1] - sb[0]
+           << " bytes)";
+  });
 }
 
 template <class A, int RankA, class B, int RankB>
@@ -204,11 +212,11 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
                                 "the extent of v axis 3"};
     for (int axis = 0; axis < 4; ++axis)
       check_extent(function, "out", *out, axis, out_names, expected[axis], from[axis]);
-    check_shape(self_overlap_free(*out), function, ": out has strides whose elements overlap (", layout_string(*out),
+    check_shape(self_overlap_free(*out), function, ": out has strides whose elements overlap (", describe_layout(*out),
                 "): distinct indices would write the same element");
     const auto check_input = [&](const char* name, const auto& input) {
       check_shape(!overlaps(*out, input), function, ": out overlaps an input (", name, "): ",
-                  overlap_string("out", *out, name, input), "; outputs must not alias inputs");
+                  describe_overlap("out", *out, name, input), "; outputs must not alias inputs");
     };
     check_input("q", q);
     check_input("k", k);
@@ -219,17 +227,18 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
     const Index expected[] = {B, Hq, Sq};
     for (int axis = 0; axis < 3; ++axis)
       check_extent(function, "lse", *lse, axis, lse_names, expected[axis], "the extents of q axes 0-2");
-    check_shape(self_overlap_free(*lse), function, ": lse has strides whose elements overlap (", layout_string(*lse),
+    check_shape(self_overlap_free(*lse), function, ": lse has strides whose elements overlap (", describe_layout(*lse),
                 "): distinct indices would write the same element");
     const auto check_input = [&](const char* name, const auto& input) {
       check_shape(!overlaps(*lse, input), function, ": lse overlaps an input (", name, "): ",
-                  overlap_string("lse", *lse, name, input));
+                  describe_overlap("lse", *lse, name, input));
     };
     check_input("q", q);
     check_input("k", k);
     if (v != nullptr) check_input("v", *v);
-    check_shape(out == nullptr || !overlaps(*lse, *out), function,
-                ": lse overlaps out: ", out == nullptr ? std::string() : overlap_string("lse", *lse, "out", *out));
+    if (out != nullptr) {
+      check_shape(!overlaps(*lse, *out), function, ": lse overlaps out: ", describe_overlap("lse", *lse, "out", *out));
+    }
   }
 
   // Options.
@@ -305,9 +314,9 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
                 ": options.key_lengths cannot be combined with cu_seqlens (it has ", options.key_lengths.size(),
                 " entries, cu_seqlens_q ", n_cu, "): varlen sequences end where cu_seqlens_k says");
     check_shape(!has_allowed, function, ": options.allowed cannot be combined with cu_seqlens (it has ",
-                layout_string(options.allowed), "; cu_seqlens_q has ", n_cu, " entries)");
+                describe_layout(options.allowed), "; cu_seqlens_q has ", n_cu, " entries)");
     check_shape(!has_bias, function, ": options.bias cannot be combined with cu_seqlens (it has ",
-                layout_string(options.bias), "; cu_seqlens_q has ", n_cu, " entries)");
+                describe_layout(options.bias), "; cu_seqlens_q has ", n_cu, " entries)");
     shape.n_sequences = static_cast<Index>(options.cu_seqlens_q.size()) - 1;
     for (Index b = 0; b < shape.n_sequences; ++b) {
       const std::size_t s = static_cast<std::size_t>(b);
