@@ -200,6 +200,80 @@ void BM_NaiveEigenPrefill(benchmark::State& state) {
   state.SetLabel(label("naive eigen"));
 }
 
+// Backward (qkv::attention_backward, the fused float backward): B = 1, H = 8, T = Sq = Skv, D = Dv, args {T, D, causal,
+// threads}; the forward's out and lse computed once, outside the timed loop. GFLOPS counts the five products: 2·(2·D +
+// 3·Dv) FLOPs per visible (query, key) pair per head, 2.5 × the forward's count at D = Dv (FlashAttention's count).
+// Compare its time with BM_FusedPrefill's row of the same args in the same run (the bound: ≤ 3 × forward).
+void BM_FusedBackward(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  const bool causal = state.range(2) != 0;
+  set_threads(static_cast<int>(state.range(3)));
+  const std::size_t n = std::size_t(H * T * D);
+  const auto q = random_vector(n, 1), k = random_vector(n, 2), v = random_vector(n, 3), d_out = random_vector(n, 4);
+  std::vector<float> out(n), lse(std::size_t(H * T)), d_q(n), d_k(n), d_v(n);
+  qkv::AttentionOptions<float> options;
+  options.causal = causal;
+  options.backend = qkv::Backend::fused;
+  const qkv::TensorView3<float> lse_view(lse.data(), {1, H, T}, {H * T, T, 1});
+  qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                 qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), lse_view, options);
+  const auto call = [&] {
+    qkv::attention_backward(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                            qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D),
+                            qkv::TensorView3<const float>(lse_view), qkv::view_bhsd(d_out.data(), 1, H, T, D),
+                            qkv::view_bhsd(d_q.data(), 1, H, T, D), qkv::view_bhsd(d_k.data(), 1, H, T, D),
+                            qkv::view_bhsd(d_v.data(), 1, H, T, D), options);
+  };
+  const double alloc_mib = allocated_mib(call);
+  for (auto _ : state) {
+    call();
+    benchmark::DoNotOptimize(d_q.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = 2.0 * double(2 * D + 3 * D) * visible_pairs(T, T, causal) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["alloc_MiB"] = alloc_mib;
+  state.SetLabel(label("fused backward"));
+  set_threads(1);
+}
+
+// A naive materialized Eigen backward, one thread, float: per head S = Q·Kᵀ·scale, P = softmax(S), dV = Pᵀ·dO,
+// dP = dO·Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS·K·scale, dK = dSᵀ·Q·scale (T × T matrices held); args {T, D}.
+void BM_NaiveEigenBackward(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  Eigen::setNbThreads(1);
+  using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)),
+      v(std::size_t(H), M::Random(T, D)), d_out(std::size_t(H), M::Random(T, D));
+  M p, d_p, out(T, D), d_q(T, D), d_k(T, D), d_v(T, D);
+  Eigen::VectorXf delta;
+  const float scale = 1.0f / std::sqrt(float(D));
+  const auto call = [&] {
+    for (Index h = 0; h < H; ++h) {
+      const std::size_t u = std::size_t(h);
+      p.noalias() = (q[u] * scale) * k[u].transpose();
+      p = (p.colwise() - p.rowwise().maxCoeff()).array().exp().matrix();
+      p = p.array().colwise() / p.rowwise().sum().array();
+      out.noalias() = p * v[u];  // the forward's out, which the backward's D_i needs
+      d_v.noalias() = p.transpose() * d_out[u];
+      d_p.noalias() = d_out[u] * v[u].transpose();
+      delta = (d_out[u].array() * out.array()).rowwise().sum().matrix();
+      d_p = (p.array() * (d_p.colwise() - delta).array()).matrix();
+      d_q.noalias() = (d_p * k[u]) * scale;
+      d_k.noalias() = (d_p.transpose() * q[u]) * scale;
+      benchmark::DoNotOptimize(d_q.data());
+      benchmark::DoNotOptimize(d_k.data());
+      benchmark::DoNotOptimize(d_v.data());
+    }
+  };
+  call();
+  for (auto _ : state) call();
+  const double flops = 2.0 * double(2 * D + 3 * D) * double(T) * double(T) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["scores_MiB"] = 2.0 * double(p.size()) * sizeof(float) / (1024.0 * 1024.0);
+  state.SetLabel(label("naive eigen backward"));
+}
+
 // Eigen SGEMM 2048 × 2048 × 2048, one thread: the "Eigen SGEMM reference".
 void BM_EigenSgemm(benchmark::State& state) {
   const Index n = 2048;
@@ -331,6 +405,14 @@ BENCHMARK(BM_FusedPrefillKV16)
     ->UseRealTime();
 BENCHMARK(BM_NaiveEigenPrefill)
     ->ArgsProduct({{512, 1024, 2048, 4096}, {64, 128}})
+    ->ArgNames({"T", "D"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FusedBackward)
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {0, 1}, {1}})
+    ->ArgNames({"T", "D", "causal", "threads"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_NaiveEigenBackward)
+    ->ArgsProduct({{1024, 4096}, {64, 128}})
     ->ArgNames({"T", "D"})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ReferencePrefill)

@@ -1,4 +1,5 @@
-// fuzz/fuzz_attention.cpp — libFuzzer harness for qkv::attention and the packed Eigen entry point.
+// fuzz/fuzz_attention.cpp — libFuzzer harness for qkv::attention, the packed Eigen entry point and
+// qkv::attention_backward.
 //
 // Each input decodes into one attention call. A fixed 32-byte header chooses the shape (B ≤ 2, Hq ≤ 4, Hkv ≤ 4
 // dividing Hq or not, Sq and Skv 0..24, D and Dv 0..12), the memory layout (BHSD, BSHD, or either with padded
@@ -19,6 +20,17 @@
 //       * NaN or ∞ written into hidden K/V slots (past key_lengths, under allowed = false or a −∞ bias, past the
 //         causal diagonal or outside the window) therefore never reaches the output;
 //       * with B = 1 in BSHD layout, the packed scaled_dot_product_attention gives the same bits.
+// The backward (issue 17): when the mode byte after the special values says so (`enum BackwardByte`), the input also
+// calls qkv::attention_backward, on the forward's out and lse with a drawn d_out, outputs in their own layouts and
+// at most one corruption of `enum BackwardCorruption` (an invalid forward call is passed on as is and must make the
+// backward throw too). It must throw shape_error and write nothing, or succeed: write every gradient element and
+// nothing between them, leave the inputs alone, give exactly zero d_q to a row that sees no key and exactly zero d_k,
+// d_v to a key that no query sees (poisoned ones included), finite gradients where every input they depend on is
+// finite, and, on calls whose every row is finite and well conditioned (scores and gradients: kConditionedBound,
+// kCancellation, kGradientCancellation), per gradient an error against a float64 backward ≤ 2 × a plain float
+// backward's + 1e-6·max(1, max|g|) (tests/support/plain_backward.hpp, in its two forms). Of the committed inputs
+// only the seed_backward_* and regression_backward_* ones call it: the others end before those bytes or have bit 0
+// of the mode byte clear.
 // A failed check prints what failed and aborts.
 //
 // Seed corpus: run the harness with QKV_FUZZ_WRITE_SEEDS=<directory> (scripts/fuzz.sh seeds; fuzz/README.md): it
@@ -40,8 +52,10 @@
 
 #include "brute_force.hpp"
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/sdpa.hpp"
 #include "support/options.hpp"
+#include "support/plain_backward.hpp"
 #include "support/plain_float.hpp"
 
 namespace {
@@ -199,6 +213,16 @@ enum Corruption : int {
   kCorruptionCount
 };
 
+/// The bytes after the special values that drive the backward call (issue 17), in this order.
+enum BackwardByte : int {
+  kBackwardMode,        // bit 0: call attention_backward; bit 1: request d_bias; bit 2: request d_sinks;
+                        // bit 3: a non-finite d_out element (bit 4: +∞, else NaN) at a position from the parameter
+  kBackwardCorruption,  // % 3 == 2: one corruption of `enum BackwardCorruption`, else none
+  kBackwardParameter,   // the corruption's parameter (an axis, a value) and the non-finite d_out element's position
+  kBackwardLayout,      // bits 0..3: layout of d_q, d_k, d_v (as kFieldLayout); bits 4..7: layout of d_out
+  kBackwardBytes
+};
+
 /// A strided 4-D tensor in its own buffer; logical elements are also kept dense ([B, H, S, D]) for the oracles.
 struct Tensor4 {
   std::array<Index, 4> extents{};
@@ -328,6 +352,9 @@ struct Call {
   // With 16-bit storage: k's and v's buffers (gaps included) converted, exactly, from the rounded float buffers.
   std::vector<Eigen::half> k_half, v_half;
   std::vector<Eigen::bfloat16> k_bfloat16, v_bfloat16;
+  // The backward (issue 17): the bytes after the special values (fuzz/README.md, "The backward"); all 0 (no backward
+  // call) in an input that ends before them.
+  std::array<std::uint8_t, kBackwardBytes> backward{};
 };
 
 Index decode_length(std::uint8_t byte) {
@@ -520,6 +547,8 @@ void decode(const std::uint8_t* data, std::size_t size, Call& c) {
       c.bias.set(b, q_head, i, j, value);
     }
   }
+
+  for (auto& byte : c.backward) byte = reader.byte();  // after every byte the forward reads: its meaning is unchanged
 
   if (c.has_allowed) o.allowed = c.allowed.view();
   if (c.has_bias) o.bias = c.bias.view();
@@ -1123,6 +1152,504 @@ void attention_16(Call& c, const std::vector<S>& k_storage, const std::vector<S>
   }
 }
 
+// ---- the backward (issue 17) ---------------------------------------------------------------------------------------
+
+/// Corruptions of a backward call whose forward call is valid: each breaks exactly the rule it names (other rules may
+/// break too as a consequence, which still means shape_error). 0 = none.
+enum BackwardCorruption : int {
+  kBackwardNone,
+  kDOutWrongExtent,
+  kDQWrongExtent,
+  kDKWrongExtent,
+  kDVWrongExtent,
+  kBackwardLseWrongExtent,
+  kBackwardOutWrongExtent,
+  kDQOverlapsQ,
+  kDKOverlapsDV,
+  kDVOverlapsDOut,
+  kDKOverlapsK,
+  kDQSelfOverlap,
+  kDQInnermostStride,
+  kDOutNullData,
+  kDBiasWrong,       // requested without options.bias, or with other extents than the bias's
+  kDSinksWrong,      // requested without options.sinks, or with another count than Hq
+  kDBiasOverlapsDQ,  // an output overlapping another output
+  kDropoutPInvalid,  // NaN, ∞, > 1 or < 0
+  kBackwardCorruptionCount
+};
+
+/// A NaN with a payload that no arithmetic produces: the backward's outputs start as it and none may keep it (an
+/// element still holding it was not written).
+float unwritten_marker() {
+  const std::uint32_t bits = 0x7fc0beefu;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+/// One attention_backward call built on a decoded Call: d_out drawn, the outputs laid out, the forward's out and lse.
+struct BackwardCall {
+  qkv::AttentionOptions<float> options;  // the forward's (a corruption may change this copy)
+  Tensor4 d_out, d_q, d_k, d_v;
+  std::vector<float> out_again, lse_again;  // the forward run again with lse, when the forward call wrote none
+  qkv::TensorView4<const float> out_view, d_out_view;
+  qkv::TensorView3<const float> lse_view;
+  qkv::TensorView4<float> d_q_view, d_k_view, d_v_view;
+  std::vector<float> d_bias, d_sinks;  // dense: the bias's extents; Hq
+  qkv::AttentionGradientExtras<float> extras;
+  int corruption = kBackwardNone;
+};
+
+/// Lays out the backward call's tensors (BackwardByte) around the forward's q, k, v, out and lse.
+void make_backward(Call& c, BackwardCall& bw) {
+  const auto& bytes = c.backward;
+  const int mode = bytes[kBackwardMode];
+  const auto& h = c.header;
+  // d_out from its own stream (the forward's values are not disturbed).
+  Random random((static_cast<std::uint64_t>(h[kFieldSeed0]) | static_cast<std::uint64_t>(h[kFieldSeed1]) << 8 |
+                 static_cast<std::uint64_t>(h[kFieldSeed2]) << 16 | static_cast<std::uint64_t>(h[kFieldSeed3]) << 24) ^
+                0x17b4c7a9d2e5f601ull);
+  bw.options = c.options;
+  make_layout(bw.d_out, {c.B, c.Hq, c.Sq, c.Dv}, (bytes[kBackwardLayout] >> 4) % 12, kNaN);
+  fill_tensor(bw.d_out, random, 1.0f);
+  if ((mode & 8) != 0 && !bw.d_out.dense.empty()) {
+    bw.d_out.dense[(static_cast<std::size_t>(bytes[kBackwardParameter]) * 7919) % bw.d_out.dense.size()] =
+        (mode & 16) != 0 ? kInf : kNaN;
+  }
+  scatter(bw.d_out);
+  const float marker = unwritten_marker();
+  const int layout = (bytes[kBackwardLayout] & 15) % 12;
+  make_layout(bw.d_q, {c.B, c.Hq, c.Sq, c.D}, layout, kOutSentinel);
+  make_layout(bw.d_k, {c.B, c.Hkv, c.Skv, c.D}, layout, kOutSentinel);
+  make_layout(bw.d_v, {c.B, c.Hkv, c.Skv, c.Dv}, layout, kOutSentinel);
+  for (Tensor4* t : {&bw.d_q, &bw.d_k, &bw.d_v}) {
+    std::fill(t->dense.begin(), t->dense.end(), marker);
+    scatter(*t);
+  }
+  bw.d_out_view = qkv::TensorView4<const float>(bw.d_out.buffer.data(), bw.d_out.extents, bw.d_out.strides);
+  bw.d_q_view = qkv::TensorView4<float>(bw.d_q.buffer.data(), bw.d_q.extents, bw.d_q.strides);
+  bw.d_k_view = qkv::TensorView4<float>(bw.d_k.buffer.data(), bw.d_k.extents, bw.d_k.strides);
+  bw.d_v_view = qkv::TensorView4<float>(bw.d_v.buffer.data(), bw.d_v.extents, bw.d_v.strides);
+  bw.out_view = c.out_view;
+  if (c.want_lse) {
+    bw.lse_view = c.lse_view;
+  } else {  // a dense lse (the valid path below fills it from a second forward call)
+    bw.lse_again.assign(static_cast<std::size_t>(c.B * c.Hq * c.Sq), kNaN);
+    bw.lse_view = qkv::TensorView3<const float>(bw.lse_again.data(), {c.B, c.Hq, c.Sq});
+  }
+  if ((mode & 2) != 0 && c.has_bias) {
+    const auto& e = c.bias.extents;
+    bw.d_bias.assign(static_cast<std::size_t>(e[0] * e[1] * e[2] * e[3]), marker);
+    bw.extras.d_bias = qkv::TensorView4<float>(bw.d_bias.data(), e);
+  }
+  if ((mode & 4) != 0 && !c.options.sinks.empty()) {
+    bw.d_sinks.assign(static_cast<std::size_t>(c.Hq), marker);
+    bw.extras.d_sinks = qkv::TensorView<float, 1>(bw.d_sinks.data(), {c.Hq});
+  }
+}
+
+/// Applies bw.corruption; returns false when this shape lacks what it needs (the caller then applies
+/// kDOutWrongExtent, which every shape allows).
+bool corrupt_backward(Call& c, BackwardCall& bw) {
+  const int parameter = c.backward[kBackwardParameter];
+  const auto nonempty = [](const auto& view) { return view.size() > 0; };
+  switch (bw.corruption) {
+    case kDOutWrongExtent:
+      bw.d_out_view = with_extent(bw.d_out_view, parameter % 4, bw.d_out_view.extent(parameter % 4) + 1);
+      return true;
+    case kDQWrongExtent:
+      bw.d_q_view = with_extent(bw.d_q_view, parameter % 4, bw.d_q_view.extent(parameter % 4) + 1);
+      return true;
+    case kDKWrongExtent:
+      bw.d_k_view = with_extent(bw.d_k_view, parameter % 4, bw.d_k_view.extent(parameter % 4) + 1);
+      return true;
+    case kDVWrongExtent:
+      bw.d_v_view = with_extent(bw.d_v_view, parameter % 4, bw.d_v_view.extent(parameter % 4) + 1);
+      return true;
+    case kBackwardLseWrongExtent:
+      bw.lse_view = with_extent(bw.lse_view, parameter % 3, bw.lse_view.extent(parameter % 3) + 1);
+      return true;
+    case kBackwardOutWrongExtent:
+      bw.out_view = with_extent(bw.out_view, parameter % 4, bw.out_view.extent(parameter % 4) + 1);
+      return true;
+    case kDQOverlapsQ:  // d_q over q's first element: both non-empty, so they overlap
+      if (!nonempty(bw.d_q_view) || !nonempty(c.q_view)) return false;
+      bw.d_q_view = with_data(bw.d_q_view, c.q.buffer.data());
+      return true;
+    case kDKOverlapsDV:
+      if (!nonempty(bw.d_k_view) || !nonempty(bw.d_v_view)) return false;
+      bw.d_v_view = with_data(bw.d_v_view, bw.d_k.buffer.data());
+      return true;
+    case kDVOverlapsDOut:
+      if (!nonempty(bw.d_v_view) || !nonempty(bw.d_out_view)) return false;
+      bw.d_v_view = with_data(bw.d_v_view, bw.d_out.buffer.data());
+      return true;
+    case kDKOverlapsK:
+      if (!nonempty(bw.d_k_view) || !nonempty(c.k_view)) return false;
+      bw.d_k_view = with_data(bw.d_k_view, c.k.buffer.data());
+      return true;
+    case kDQSelfOverlap:
+      if (!nonempty(bw.d_q_view) || c.Sq < 2) return false;
+      bw.d_q_view = with_stride(bw.d_q_view, 2, 0);
+      return true;
+    case kDQInnermostStride:
+      bw.d_q_view = c.D >= 2 ? with_stride(bw.d_q_view, 3, 2) : with_stride(bw.d_q_view, parameter % 4, -1);
+      return true;
+    case kDOutNullData:
+      if (!nonempty(bw.d_out_view)) return false;
+      bw.d_out_view = with_data(bw.d_out_view, nullptr);
+      return true;
+    case kDBiasWrong:
+      if (c.has_bias) {  // one extent more than the bias's on one axis (not backed by memory)
+        const auto& e = c.bias.extents;
+        bw.d_bias.assign(static_cast<std::size_t>(std::max<Index>(e[0] * e[1] * e[2] * e[3], 1)), unwritten_marker());
+        auto extents = e;
+        extents[static_cast<std::size_t>(parameter % 4)] += 1;
+        bw.extras.d_bias = qkv::TensorView4<float>(bw.d_bias.data(), extents);
+      } else {  // a gradient of a bias the call does not have
+        bw.d_bias.assign(static_cast<std::size_t>(std::max<Index>(c.B * c.Hq * c.Sq * c.Skv, 1)), unwritten_marker());
+        bw.extras.d_bias = qkv::TensorView4<float>(bw.d_bias.data(), {c.B, c.Hq, c.Sq, c.Skv});
+      }
+      return true;
+    case kDSinksWrong:
+      if (!c.options.sinks.empty()) {  // Hq + 1 entries
+        bw.d_sinks.assign(static_cast<std::size_t>(c.Hq + 1), unwritten_marker());
+        bw.extras.d_sinks = qkv::TensorView<float, 1>(bw.d_sinks.data(), {c.Hq + 1});
+      } else {  // a gradient of sinks the call does not have
+        bw.d_sinks.assign(static_cast<std::size_t>(std::max<Index>(c.Hq, 1)), unwritten_marker());
+        bw.extras.d_sinks = qkv::TensorView<float, 1>(bw.d_sinks.data(), {c.Hq});
+      }
+      return true;
+    case kDBiasOverlapsDQ: {
+      if (!c.has_bias || !nonempty(bw.d_q_view)) return false;
+      const auto& e = c.bias.extents;
+      if (e[0] * e[1] * e[2] * e[3] == 0) return false;
+      bw.extras.d_bias = qkv::TensorView4<float>(bw.d_q.buffer.data(), e);
+      return true;
+    }
+    case kDropoutPInvalid: {
+      static constexpr std::array<float, 4> kBad = {kNaN, 1.5f, -0.25f, kInf};
+      bw.options.dropout_p = kBad[static_cast<std::size_t>(parameter) % kBad.size()];
+      return true;
+    }
+    default:
+      return true;
+  }
+}
+
+/// The largest |x| over the finite elements of a tensor's logical values.
+double max_finite(const std::vector<float>& x) {
+  double m = 0;
+  for (float value : x)
+    if (std::isfinite(value)) m = std::max(m, static_cast<double>(std::abs(value)));
+  return m;
+}
+
+/// Scores up to this bound (Σ|q_d·k_d|·|scale| + |bias| + |ALiBi|) are recomputed by the backward within about
+/// 1e4·D·2^-24 ≤ 0.01 of the forward's, so P = exp(s − lse) stays near the forward's weights; above it a recomputed
+/// score may exceed the stored lse by many units (|s|·2^-24 at |s| = 1e30 is 6e22) and P overflows. The harness
+/// demands finite gradients only below it (FlashAttention recomputes P from lse the same way).
+constexpr double kBackwardFiniteBound = 1e4;
+
+/// The backward's accuracy rule compares one call's error with a plain float backward's; both are the rounding noise
+/// of each gradient's terms, about 2^-24·Σ|term| and more. Where Σ|term| dwarfs the gradient, the two errors are
+/// independent draws of that noise and "≤ 2×" is a coin toss, not a property of the kernel: a row that sees one key has
+/// dS = P·(dP − D_i) = 0 from two equal sums, and with q = 1e15 the rounding of those sums alone puts 1e8 into a d_k
+/// that is 0 (found by fuzzing: the plain float backward, summing both in the same order, happened to get 0 exactly).
+/// So the rule is checked where every element's Σ|term| ≤ kGradientCancellation·max(1, max|g|) of its gradient, the
+/// terms (float64, from the brute force's weights P): d_q_i: Σ_j P_ij·(|dP_ij| + |D_i|)·|k_j|·|scale|; d_k_j: Σ_i
+/// P_ij·(|dP_ij| + |D_i|)·|q_i|·|scale|; d_v_j: Σ_i P_ij·|dO_i|; d_bias: Σ P_ij·(|dP_ij| + |D_i|); d_sink_h: Σ_i
+/// P_sink·|D_i| (the kernel's own rule for the forward's scores is kCancellation).
+constexpr double kGradientCancellation = 8;
+
+bool gradients_conditioned(const Call& c, const BackwardCall& bw, const brute::Params& params,
+                           const qkv_test::PlainGradients<double>& expected) {
+  const brute::Result forward = brute_force(c, params);
+  const double scale = params.scale ? std::abs(*params.scale) : 1.0 / std::sqrt(static_cast<double>(c.D));
+  std::vector<double> term_q(expected.d_q.size()), term_k(expected.d_k.size()), term_v(expected.d_v.size()),
+      term_bias(expected.d_bias.size()), term_sinks(expected.d_sinks.size());
+  const Index group = c.Hq / c.Hkv;
+  std::vector<double> dp(static_cast<std::size_t>(c.Skv));
+  for_each_row(params, [&](const RowPlace& p) {
+    const Index h_kv = p.h / group;
+    const auto at = [&](Index j) {
+      return forward.weights[brute::flat(c.Hq, c.Sq, c.Skv, p.s.b, p.h, p.row, p.s.k0 + j)];
+    };
+    double row_sum = 0;  // D_i
+    for (Index j = 0; j < p.s.skv; ++j) {
+      if (at(j) == 0) continue;  // hidden (its v may be poisoned) or a weight that underflows: no term
+      double sum = 0;
+      for (Index d = 0; d < c.Dv; ++d) {
+        sum +=
+            static_cast<double>(bw.d_out.dense[static_cast<std::size_t>(bw.d_out.dense_index(p.s.b, p.h, p.row, d))]) *
+            c.v.dense[static_cast<std::size_t>(c.v.dense_index(p.s.b, h_kv, p.s.k0 + j, d))];
+      }
+      dp[static_cast<std::size_t>(j)] = sum;
+      row_sum += at(j) * sum;
+    }
+    for (Index j = 0; j < p.s.skv; ++j) {
+      const double weight = at(j);
+      if (weight == 0) continue;
+      const double term = weight * (std::abs(dp[static_cast<std::size_t>(j)]) + std::abs(row_sum));
+      for (Index d = 0; d < c.D; ++d) {
+        term_q[static_cast<std::size_t>(c.q.dense_index(p.s.b, p.h, p.row, d))] +=
+            term * scale * std::abs(c.k.dense[static_cast<std::size_t>(c.k.dense_index(p.s.b, h_kv, p.s.k0 + j, d))]);
+        term_k[static_cast<std::size_t>(c.k.dense_index(p.s.b, h_kv, p.s.k0 + j, d))] +=
+            term * scale * std::abs(c.q.dense[static_cast<std::size_t>(c.q.dense_index(p.s.b, p.h, p.row, d))]);
+      }
+      for (Index d = 0; d < c.Dv; ++d) {
+        term_v[static_cast<std::size_t>(c.v.dense_index(p.s.b, h_kv, p.s.k0 + j, d))] +=
+            weight * std::abs(bw.d_out.dense[static_cast<std::size_t>(bw.d_out.dense_index(p.s.b, p.h, p.row, d))]);
+      }
+      if (!term_bias.empty()) {
+        const auto& e = params.bias->extents;
+        const Index b = e[0] == 1 ? 0 : p.s.b, h = e[1] == 1 ? 0 : p.h, i = e[2] == 1 ? 0 : p.row;
+        term_bias[static_cast<std::size_t>(((b * e[1] + h) * e[2] + i) * e[3] + p.s.k0 + j)] += term;
+      }
+    }
+    if (!term_sinks.empty()) {
+      const double sink = params.sinks[static_cast<std::size_t>(p.h)];
+      const double lse = forward.lse[brute::flat(c.Hq, c.Sq, 1, p.s.b, p.h, p.row, 0)];
+      if (std::isfinite(sink) && std::isfinite(lse))
+        term_sinks[static_cast<std::size_t>(p.h)] += std::exp(sink - lse) * std::abs(row_sum);
+    }
+  });
+  const auto conditioned = [](const std::vector<double>& terms, const std::vector<double>& gradient) {
+    double largest = 0;
+    for (double g : gradient) largest = std::max(largest, std::abs(g));
+    for (double t : terms)
+      if (!(t <= kGradientCancellation * std::max(1.0, largest))) return false;
+    return true;
+  };
+  return conditioned(term_q, expected.d_q) && conditioned(term_k, expected.d_k) && conditioned(term_v, expected.d_v) &&
+         (bw.d_bias.empty() || conditioned(term_bias, expected.d_bias)) &&
+         (bw.d_sinks.empty() || conditioned(term_sinks, expected.d_sinks));
+}
+
+/// The checks of a valid backward call (fuzz/README.md, "The backward").
+void check_backward_values(const Call& c, const BackwardCall& bw) {
+  const float marker = unwritten_marker();
+  // Every element written (none keeps the marker), nothing between them.
+  for (const Tensor4* t : {&bw.d_q, &bw.d_k, &bw.d_v}) {
+    std::vector<char> is_element(t->buffer.size(), 0);
+    for (Index b = 0; b < t->extents[0]; ++b)
+      for (Index h = 0; h < t->extents[1]; ++h)
+        for (Index s = 0; s < t->extents[2]; ++s)
+          for (Index d = 0; d < t->extents[3]; ++d) is_element[static_cast<std::size_t>(t->offset(b, h, s, d))] = 1;
+    for (std::size_t at = 0; at < t->buffer.size(); ++at) {
+      if (is_element[at] && same_bits(t->buffer[at], marker)) fail("a gradient element was not written");
+      if (!is_element[at] && !same_bits(t->buffer[at], kOutSentinel)) fail("a gradient written between its elements");
+    }
+  }
+  for (const std::vector<float>* extra : {&bw.d_bias, &bw.d_sinks})
+    for (float x : *extra)
+      if (same_bits(x, marker)) fail("a requested d_bias or d_sinks element was not written");
+
+  const brute::Params params = call_params(c);
+  const auto gradient = [](const Tensor4& t, Index b, Index h, Index s, Index d) {
+    return t.buffer[static_cast<std::size_t>(t.offset(b, h, s, d))];
+  };
+  // A bound on every gradient (finite inputs): |dP|, |D_i| ≤ max|d_out|·max|v|·Dv, |dS| ≤ twice that, summed over at
+  // most Hq·max(Sq, Skv) terms of |k| or |q|·|scale|·D (or |d_out|).
+  const double scale = params.scale ? std::abs(*params.scale) : 1.0 / std::sqrt(static_cast<double>(c.D));
+  const double d_s =
+      2 * max_finite(bw.d_out.dense) * max_finite(c.v.dense) * static_cast<double>(std::max<Index>(c.Dv, 1));
+  const double terms = static_cast<double>(std::max<Index>(c.Hq, 1) * std::max<Index>({c.Sq, c.Skv, 1}));
+  const double gradient_bound =
+      std::max(d_s * std::max(max_finite(c.q.dense), max_finite(c.k.dense)) * scale * static_cast<double>(c.D),
+               max_finite(bw.d_out.dense)) *
+      terms;
+  const bool gradients_fit = gradient_bound <= 1e30;
+
+  const Index group = c.Hq / c.Hkv;
+  std::vector<char> key_seen(static_cast<std::size_t>(c.B * c.Hkv * c.Skv), 0),
+      key_unsafe(static_cast<std::size_t>(c.B * c.Hkv * c.Skv), 0);
+  bool all_conditioned = true, any_visible = false;
+  for_each_row(params, [&](const RowPlace& p) {
+    const Index h_kv = p.h / group;
+    bool any = false;
+    bool safe = !row_nonfinite(c.q, p.s.b, p.h, p.row) && !row_nonfinite(bw.d_out, p.s.b, p.h, p.row);
+    std::vector<Index> seen;
+    for (Index j = 0; j < p.s.skv; ++j) {
+      if (!rule_visible(params, p, j)) continue;
+      any = true;
+      seen.push_back(j);
+      key_seen[static_cast<std::size_t>((p.s.b * c.Hkv + h_kv) * c.Skv + p.s.k0 + j)] = 1;
+      if (row_nonfinite(c.k, p.s.b, h_kv, p.s.k0 + j) || row_nonfinite(c.v, p.s.b, h_kv, p.s.k0 + j)) safe = false;
+      if (c.has_bias) {
+        const float bias = c.bias.at(p.s.b, p.h, p.row, p.s.k0 + j);
+        if (std::isnan(bias) || bias == kInf) safe = false;
+      }
+      double bound = 0;
+      const double s = score64(c, params, p, j, bound);
+      if (!(bound <= kBackwardFiniteBound)) safe = false;
+      if (!(bound <= kConditionedBound && bound <= kCancellation * std::max(1.0, std::abs(s)))) all_conditioned = false;
+    }
+    any_visible = any_visible || any;
+    if (!any) {  // a row that sees no key: zero d_q
+      for (Index d = 0; d < c.D; ++d) {
+        if (gradient(bw.d_q, p.s.b, p.h, p.row, d) != 0.0f)
+          fail("d_q of a row that sees no key is not zero at " + where(c, p));
+      }
+      return;
+    }
+    if (!safe || !gradients_fit) {
+      all_conditioned = false;
+      for (Index j : seen) key_unsafe[static_cast<std::size_t>((p.s.b * c.Hkv + h_kv) * c.Skv + p.s.k0 + j)] = 1;
+      return;
+    }
+    for (Index d = 0; d < c.D; ++d) {
+      if (!std::isfinite(gradient(bw.d_q, p.s.b, p.h, p.row, d)))
+        fail("non-finite d_q in a row with finite inputs at " + where(c, p));
+    }
+  });
+  for (Index b = 0; b < c.B; ++b)
+    for (Index h_kv = 0; h_kv < c.Hkv; ++h_kv)
+      for (Index j = 0; j < c.Skv; ++j) {
+        const std::size_t at = static_cast<std::size_t>((b * c.Hkv + h_kv) * c.Skv + j);
+        const std::string key =
+            "b " + std::to_string(b) + " kv head " + std::to_string(h_kv) + " key " + std::to_string(j);
+        for (Index d = 0; d < std::max(c.D, c.Dv); ++d) {
+          const float dk = d < c.D ? gradient(bw.d_k, b, h_kv, j, d) : 0.0f;
+          const float dv = d < c.Dv ? gradient(bw.d_v, b, h_kv, j, d) : 0.0f;
+          // A key no query sees (poisoned with NaN or ±∞ when kFieldPoison is set) is never read: exactly zero.
+          if (!key_seen[at] && (dk != 0.0f || dv != 0.0f))
+            fail("d_k or d_v of a key no query sees is not zero at " + key);
+          if (key_seen[at] && !key_unsafe[at] && (!std::isfinite(dk) || !std::isfinite(dv)))
+            fail("non-finite d_k or d_v of a key only finite rows see at " + key);
+        }
+      }
+  if (!all_conditioned || !any_visible) return;
+
+  // The accuracy rule (issue 17) on calls whose every row sees only finite, well-conditioned inputs: per gradient,
+  // error against the float64 backward ≤ 2 × the plain float backward's error + 1e-6·max(1, max|g|). Both oracles are
+  // support/plain_backward.hpp (materialized, with brute_force.hpp's visibility and score rules).
+  const std::vector<double> q(c.q.dense.begin(), c.q.dense.end()), k(c.k.dense.begin(), c.k.dense.end()),
+      v(c.v.dense.begin(), c.v.dense.end()), d_out(bw.d_out.dense.begin(), bw.d_out.dense.end());
+  const qkv_test::PlainGradients<double> expected = qkv_test::plain_backward<double>(q, k, v, d_out, params);
+  if (!gradients_conditioned(c, bw, params, expected)) return;
+  // The plain float backward in its two forms (support/plain_backward.hpp): weights from a softmax of its own, and
+  // from the out and lse this call was given; the larger error is the baseline.
+  std::vector<float> out(c.out.dense.size()), lse(static_cast<std::size_t>(c.B * c.Hq * c.Sq));
+  for (Index b = 0; b < c.B; ++b)
+    for (Index h = 0; h < c.Hq; ++h)
+      for (Index i = 0; i < c.Sq; ++i) {
+        lse[static_cast<std::size_t>((b * c.Hq + h) * c.Sq + i)] = bw.lse_view(b, h, i);
+        for (Index d = 0; d < c.Dv; ++d)
+          out[static_cast<std::size_t>(c.out.dense_index(b, h, i, d))] = bw.out_view(b, h, i, d);
+      }
+  const qkv_test::PlainGradients<float> plain[2] = {
+      qkv_test::plain_backward<float>(c.q.dense, c.k.dense, c.v.dense, bw.d_out.dense, params),
+      qkv_test::plain_backward<float>(c.q.dense, c.k.dense, c.v.dense, bw.d_out.dense, params, &out, &lse)};
+  const auto check = [&](const char* name, const std::vector<double>& want,
+                         std::vector<float> qkv_test::PlainGradients<float>::*member, const auto& got_at) {
+    double error = 0, plain_error = 0, largest = 0;
+    for (std::size_t n = 0; n < want.size(); ++n) {
+      const double got = got_at(n);
+      if (!std::isfinite(got)) fail(std::string("non-finite ") + name + " in a call with finite inputs");
+      error = std::max(error, std::abs(got - want[n]));
+      for (const auto& form : plain)
+        plain_error = std::max(plain_error, std::abs(static_cast<double>((form.*member)[n]) - want[n]));
+      largest = std::max(largest, std::abs(want[n]));
+    }
+    const double allowed = 2 * plain_error + 1e-6 * std::max(1.0, largest);
+    if (std::getenv("QKV_FUZZ_DEBUG")) {
+      for (std::size_t n = 0; n < want.size(); ++n) {
+        std::fprintf(stderr, "%s %zu got %.9g want %.9g plain %.9g %.9g\n", name, n, got_at(n), want[n],
+                     static_cast<double>((plain[0].*member)[n]), static_cast<double>((plain[1].*member)[n]));
+      }
+    }
+    if (!(error <= allowed)) {
+      fail(std::string(name) + " error " + std::to_string(error) + " exceeds " + std::to_string(allowed) +
+           " (plain float error " + std::to_string(plain_error) + ", max|g| " + std::to_string(largest) + ", backend " +
+           std::to_string(static_cast<int>(c.options.backend)) + ")");
+    }
+  };
+  const auto at_of = [&gradient](const Tensor4& t) {
+    return [&t, &gradient](std::size_t n) {
+      const Index d = static_cast<Index>(n) % t.extents[3], s = static_cast<Index>(n) / t.extents[3] % t.extents[2];
+      const Index h = static_cast<Index>(n) / (t.extents[3] * t.extents[2]) % t.extents[1];
+      const Index b = static_cast<Index>(n) / (t.extents[3] * t.extents[2] * t.extents[1]);
+      return static_cast<double>(gradient(t, b, h, s, d));
+    };
+  };
+  using Plain = qkv_test::PlainGradients<float>;
+  check("d_q", expected.d_q, &Plain::d_q, at_of(bw.d_q));
+  check("d_k", expected.d_k, &Plain::d_k, at_of(bw.d_k));
+  check("d_v", expected.d_v, &Plain::d_v, at_of(bw.d_v));
+  if (!bw.d_bias.empty())
+    check("d_bias", expected.d_bias, &Plain::d_bias, [&bw](std::size_t n) { return double(bw.d_bias[n]); });
+  if (!bw.d_sinks.empty())
+    check("d_sinks", expected.d_sinks, &Plain::d_sinks, [&bw](std::size_t n) { return double(bw.d_sinks[n]); });
+}
+
+/// The backward call of an input whose mode byte asks for one (after the forward call and its checks, which it does
+/// not change). A valid forward: its out and lse (a second forward call supplies lse when the first wrote none), then
+/// at most one backward corruption. An invalid forward: the same corrupted views and options, which must make the
+/// backward throw as well — except the three corruptions that only concern outputs of the forward (out over q, lse
+/// over out, out overlapping itself), which are not errors of the backward's inputs: no backward call for those.
+void check_backward(Call& c, bool forward_valid, int forward_corruption) {
+  if ((c.backward[kBackwardMode] & 1) == 0) return;
+  if (forward_corruption == kOutOverlapsQ || forward_corruption == kLseOverlapsOut ||
+      forward_corruption == kOutSelfOverlap)
+    return;
+  BackwardCall bw;
+  make_backward(c, bw);
+  if (forward_valid && !c.want_lse) {
+    bw.out_again.assign(c.out.dense.size(), kNaN);
+    const qkv::TensorView4<float> out_again(bw.out_again.data(), c.out.extents);
+    qkv::attention<float>(c.q_view, c.k_view, c.v_view, out_again,
+                          qkv::TensorView3<float>(bw.lse_again.data(), {c.B, c.Hq, c.Sq}), c.options);
+    bw.out_view = out_again;
+  }
+  if (forward_valid) {
+    const int byte = c.backward[kBackwardCorruption];
+    bw.corruption = byte % 3 == 2 ? 1 + (byte / 3) % (kBackwardCorruptionCount - 1) : kBackwardNone;
+    if (!corrupt_backward(c, bw)) {
+      bw.corruption = kDOutWrongExtent;
+      corrupt_backward(c, bw);
+    }
+  }
+  const bool expect_valid = forward_valid && bw.corruption == kBackwardNone;
+  // Every buffer the call may see; the first eight are its inputs (q, k, v, out, lse, the second forward's out and
+  // lse, d_out).
+  const auto snapshot = [&c, &bw]() {
+    return std::vector<std::vector<float>>{c.q.buffer,    c.k.buffer,   c.v.buffer,      c.out.buffer,  c.lse_buffer,
+                                           bw.out_again,  bw.lse_again, bw.d_out.buffer, bw.d_q.buffer, bw.d_k.buffer,
+                                           bw.d_v.buffer, bw.d_bias,    bw.d_sinks};
+  };
+  const std::vector<std::vector<float>> before = snapshot();
+  bool threw = false;
+  try {
+    qkv::attention_backward<float>(c.q_view, c.k_view, c.v_view, bw.out_view, bw.lse_view, bw.d_out_view, bw.d_q_view,
+                                   bw.d_k_view, bw.d_v_view, bw.options, bw.extras);
+  } catch (const qkv::shape_error& e) {
+    if (expect_valid) fail(std::string("attention_backward: shape_error on a valid call: ") + e.what());
+    threw = true;
+  } catch (const std::exception& e) {
+    fail(std::string("attention_backward: an exception other than shape_error: ") + e.what());
+  } catch (...) {
+    fail("attention_backward: a non-standard exception");
+  }
+  const std::vector<std::vector<float>> after = snapshot();
+  const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  };
+  if (!expect_valid) {
+    if (!threw) {
+      fail("attention_backward: an invalid call did not throw (forward corruption " +
+           std::to_string(forward_corruption) + ", backward corruption " + std::to_string(bw.corruption) + ", D " +
+           std::to_string(c.D) + ", Hq " + std::to_string(c.Hq) + ", Hkv " + std::to_string(c.Hkv) + ")");
+    }
+    for (std::size_t n = 0; n < before.size(); ++n)
+      if (!same(before[n], after[n])) fail("attention_backward: a call that threw wrote to memory");
+    return;
+  }
+  for (std::size_t n = 0; n < 8; ++n)  // the inputs
+    if (!same(before[n], after[n])) fail("attention_backward wrote to an input");
+  check_backward_values(c, bw);
+}
+
 void run(const std::uint8_t* data, std::size_t size) {
   Call c;
   decode(data, size, c);
@@ -1163,10 +1690,12 @@ void run(const std::uint8_t* data, std::size_t size) {
     if (!same(q_before, c.q.buffer) || !same(out_before, c.out.buffer) || !same(lse_before, c.lse_buffer)) {
       fail("a call that threw wrote to memory");
     }
+    check_backward(c, false, applied);
     return;
   }
   check_valid_call(c);
   check_packed(c);
+  check_backward(c, true, kNone);
 }
 
 // ---- the seed corpus -----------------------------------------------------------------------------------------------
@@ -1282,6 +1811,81 @@ void write_seeds(const std::string& directory) {
                {kFieldCorruption, 3 * (corruption - 1) + 2},
                {kFieldCorruptionParameter, corruption}}));
   }
+  // The backward (issue 17): the four bytes after the special values (BackwardByte): mode, corruption, parameter,
+  // layout. Mode bit 0 calls attention_backward; 2: d_bias; 4: d_sinks; 8: a non-finite d_out element (16: +∞).
+  using Tail = std::vector<std::uint8_t>;
+  const auto backward = [](int mode, int corruption = 0, int parameter = 0, int layout = 0) {
+    return Tail{static_cast<std::uint8_t>(mode), static_cast<std::uint8_t>(corruption),
+                static_cast<std::uint8_t>(parameter), static_cast<std::uint8_t>(layout)};
+  };
+  emit("backward_plain", base, backward(1));
+  emit("backward_gqa_4_2_batch_2", with({{kFieldB, 1}, {kFieldHq, 3}, {kFieldHkv, 1}, {kFieldSq, 16}, {kFieldSkv, 26}}),
+       backward(1));
+  emit("backward_mqa_3_1", with({{kFieldHq, 2}, {kFieldHkv, 0}, {kFieldSq, 3}}), backward(1));
+  emit("backward_causal_bottom_right", with({{kFieldCausal, 1}, {kFieldSq, 4}, {kFieldSkv, 13}}), backward(1));
+  emit("backward_causal_empty_rows", with({{kFieldCausal, 1}, {kFieldSq, 14}, {kFieldSkv, 5}}), backward(1));
+  emit("backward_causal_top_left", with({{kFieldCausal, 3}, {kFieldSq, 13}, {kFieldSkv, 4}}), backward(1));
+  emit("backward_window_top_left_causal_global",
+       with({{kFieldCausal, 3}, {kFieldWindowLeft, 3}, {kFieldGlobalTokens, 3}, {kFieldSq, 20}, {kFieldSkv, 20}}),
+       backward(1));
+  emit("backward_masks_poison_d_bias",
+       with({{kFieldAllowed, 1 | (1 << 5)},
+             {kFieldBias, 1 | (1 << 5)},
+             {kFieldKeyLengths, 1},
+             {kFieldB, 1},
+             {kFieldPoison, 3}}),
+       backward(1 | 2));
+  emit("backward_bias_broadcast_d_bias", with({{kFieldB, 1}, {kFieldBias, 1 | (6 << 2)}}), backward(1 | 2));
+  emit("backward_alibi_sinks_softcap_d_sinks",
+       with({{kFieldAlibi, 1}, {kFieldSinks, 1}, {kFieldSoftcap, 2}, {kFieldCausal, 3}, {kFieldLse, 1}}),
+       backward(1 | 4));
+  emit("backward_sinks_bias_all_extras", with({{kFieldSinks, 1}, {kFieldBias, 1 | (1 << 5)}, {kFieldLse, 1}}),
+       backward(1 | 2 | 4));
+  emit("backward_varlen", with({{kFieldVarlen, 6}, {kFieldSq, 20}, {kFieldSkv, 24}, {kFieldCausal, 1}}), backward(1));
+  emit("backward_layouts", with({{kFieldLayout, 7}, {kFieldB, 1}, {kFieldHq, 3}, {kFieldLse, 1 | 4}}),
+       backward(1, 0, 0, (5 << 4) | 7));
+  emit("backward_layouts_bshd", with({{kFieldLayout, 1}, {kFieldHq, 3}}), backward(1, 0, 0, (3 << 4) | 1));
+  emit("backward_backend_fused", with({{kFieldBackend, 1}, {kFieldLse, 1}}), backward(1));
+  emit("backward_backend_reference", with({{kFieldBackend, 2}}), backward(1));
+  emit("backward_scale_zero", with({{kFieldScale, 1}}), backward(1));
+  emit("backward_softcap_small", with({{kFieldSoftcap, 4}}), backward(1));
+  emit("backward_d_out_nan", with({{kFieldB, 1}, {kFieldHq, 3}}), backward(1 | 8, 0, 5));
+  emit("backward_d_out_infinite", with({{kFieldHq, 3}, {kFieldHkv, 0}}), backward(1 | 8 | 16, 0, 9));
+  {
+    Tail tail = {0, 0, 3, 4, 1, 0, 7, 2, 2, 0, 11, 5, 0, 0, 20, 7};  // specials_qkv's: ±∞, NaN in q, k and v
+    const Tail bytes = backward(1);
+    tail.insert(tail.end(), bytes.begin(), bytes.end());
+    emit("backward_specials_qkv", with({{kFieldSpecials, 4}}), tail);
+  }
+  emit("backward_magnitudes", with({{kFieldMagnitude, 128 | 3 | (3 << 2) | (2 << 4)}}), backward(1));
+  emit("backward_tiny_values", with({{kFieldMagnitude, 128 | 1 | (1 << 2) | (1 << 4)}}), backward(1));
+  emit("backward_storage_half", with({{kFieldStorage, 0x08}, {kFieldLse, 1}}), backward(1));
+  emit("backward_poison_causal",
+       with({{kFieldCausal, 1}, {kFieldSq, 3}, {kFieldSkv, 16}, {kFieldWindowLeft, 3}, {kFieldPoison, 5}}),
+       backward(1));
+  emit("backward_empty_query", with({{kFieldSq, 1}}), backward(1));
+  emit("backward_empty_key", with({{kFieldSkv, 1}}), backward(1));
+  emit("backward_dv_zero", with({{kFieldDv, 12}}), backward(1));
+  emit("backward_batch_zero", with({{kFieldB, 8}}), backward(1));
+  emit("backward_heads_zero", with({{kFieldHq, 8}}), backward(1));
+  // Invalid forward calls: the backward must throw too.
+  emit("backward_gqa_not_dividing", with({{kFieldHq, 2}, {kFieldHkv, 5}}), backward(1));
+  emit("backward_head_dim_zero", with({{kFieldD, 24}}), backward(1));
+  for (int corruption : {int(kScaleNaN), int(kKHeadDimMismatch), int(kCuSeqlensBatchNotOne), int(kOutWrongExtent),
+                         int(kLseWrongExtent), int(kQNullData), int(kKNegativeStride), int(kSinksWrongCount)}) {
+    emit("backward_forward_corruption_" + std::to_string(corruption),
+         with({{kFieldCorruption, 3 * (corruption - 1) + 2}, {kFieldCorruptionParameter, corruption}}), backward(1));
+  }
+  // Every backward corruption, and the two forms of kDBiasWrong and kDSinksWrong (with and without the option).
+  for (int corruption = 1; corruption < kBackwardCorruptionCount; ++corruption) {
+    emit("backward_corruption_" + std::to_string(corruption), with({{kFieldB, corruption % 2}}),
+         backward(1, 3 * (corruption - 1) + 2, corruption));
+  }
+  emit("backward_corruption_d_bias_extent", with({{kFieldBias, 1 | (1 << 5)}}),
+       backward(1 | 2, 3 * (kDBiasWrong - 1) + 2, 2));
+  emit("backward_corruption_d_sinks_count", with({{kFieldSinks, 1}}), backward(1 | 4, 3 * (kDSinksWrong - 1) + 2));
+  emit("backward_corruption_d_bias_overlaps_d_q", with({{kFieldBias, 1 | (1 << 5)}}),
+       backward(1 | 2, 3 * (kDBiasOverlapsDQ - 1) + 2));
   std::fprintf(stderr, "fuzz_attention: wrote %d seeds into %s\n", written, directory.c_str());
 }
 

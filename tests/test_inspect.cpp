@@ -4,18 +4,27 @@
 // with a key hidden. Covered: summarize_weights, head_weights / summarize_heads, head_weight_correlation against a
 // brute-force Pearson correlation, head_redundancy, ablate_head / head_ablation (including the seed's "a weight is
 // not a contribution": a head whose values are zero has ablation 0 whatever its weights), key_ablation (with the
-// seed's worked example, where a key with weight 0.198 has no effect on query 0), and every error.
+// seed's worked example, where a key with weight 0.198 has no effect on query 0), gradient_input_attribution against
+// float64 central differences of the brute force along the scaling of each token (self- and cross-attention), and on
+// the real PP-OCRv4 layer (tests/fixtures) beside key_ablation, and every error.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <iostream>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "qkv/inspect.hpp"
 #include "qkv/sdpa.hpp"
+#include "safetensors.hpp"
 #include "support/expect_shape_error.hpp"
+#include "support/npy.hpp"
 #include "support/problem.hpp"
 #include "support/type_lists.hpp"
 
@@ -386,6 +395,161 @@ TYPED_TEST(Inspect, KeyAblationMatchesBruteForceWithMasks) {
   EXPECT_TRUE(allowed(2, 1));
 }
 
+// ---- gradient × input attribution ---------------------------------------------------------------------------------
+
+/// Accuracy of an attribution against float64 central differences of the brute force: the difference's own error is
+/// about 1e-9 relative (h = 1e-5, |u·Y_i| and its derivatives O(1)); a float module's gradients carry about 1e-6
+/// relative (float inputs and products of O(T + d_model) terms).
+template <class T>
+double attribution_tolerance() {
+  return std::is_same_v<T, float> ? 2e-5 : 1e-7;
+}
+
+/// d/dα (u·Y_i)(X_q, X_kv with row j scaled by α) at α = 1, by a float64 central difference of the brute force, for
+/// every j; `scale_query` also scales X_q's row j (self-attention: X_q = X_kv = X is one input).
+Eigen::VectorXd attribution_by_differences(const BruteMha& brute, const Matrix<double>& X_q, const Matrix<double>& X_kv,
+                                           Index row, const Eigen::RowVectorXd& u, bool scale_query,
+                                           const std::function<bool(Index, Index, Index)>& visible) {
+  constexpr double h = 1e-5;
+  Eigen::VectorXd a(X_kv.rows());
+  for (Index j = 0; j < X_kv.rows(); ++j) {
+    double value[2];
+    for (int side = 0; side < 2; ++side) {
+      const double alpha = side == 0 ? 1 + h : 1 - h;
+      Matrix<double> q = X_q, kv = X_kv;
+      kv.row(j) *= alpha;
+      if (scale_query) q.row(j) *= alpha;
+      value[side] = u.dot(brute.forward(q, kv, visible).row(row));
+    }
+    a(j) = (value[0] - value[1]) / (2 * h);
+  }
+  return a;
+}
+
+TYPED_TEST(Inspect, GradientInputAttributionMatchesFiniteDifferences) {
+  using T = TypeParam;
+  const Index d_model = 8, Hq = 4, Hkv = 2, D = 3, Tn = 7;
+  const qkv::MultiHeadAttention<T> mha = random_module<T>(d_model, Hq, Hkv, D, 100);
+  const Matrix<T> X = random_matrix<T>(Tn, d_model, 101);
+  const Matrix<double> Xd = X.template cast<double>();
+  const BruteMha brute(mha);
+  const Matrix<T> u = random_matrix<T>(1, d_model, 102);
+  qkv::AttentionOptions<T> options;
+  options.causal = true;
+  const auto causal = [](Index, Index i, Index j) { return j <= i; };
+  for (const Index i : {Index(0), Index(3), Tn - 1}) {
+    const Eigen::VectorXd a = qkv::gradient_input_attribution(mha, X, i, u, options);
+    const Eigen::VectorXd expected =
+        attribution_by_differences(brute, Xd, Xd, i, u.template cast<double>(), /*scale_query=*/true, causal);
+    ASSERT_EQ(a.size(), Tn);
+    const double scale = std::max(1.0, expected.cwiseAbs().maxCoeff());
+    EXPECT_LE((a - expected).cwiseAbs().maxCoeff(), attribution_tolerance<T>() * scale) << "row " << i;
+    for (Index j = i + 1; j < Tn; ++j) EXPECT_EQ(a(j), 0.0) << "a key after row " << i << " (causal)";
+    EXPECT_GT(std::abs(a(i)), 1e-3) << "the row's own token (query, key and value) has a share";
+  }
+  // The direction as a column vector gives the same scores.
+  const Matrix<T> u_column = u.transpose();
+  EXPECT_EQ(qkv::gradient_input_attribution(mha, X, 2, u_column, options),
+            qkv::gradient_input_attribution(mha, X, 2, u, options));
+}
+
+TYPED_TEST(Inspect, CrossAttentionAttributionCoversTheKeyValueTokens) {
+  using T = TypeParam;
+  const Index d_model = 6, Hq = 2, Hkv = 1, D = 3, Tq = 4, Tk = 5;
+  const qkv::MultiHeadAttention<T> mha = random_module<T>(d_model, Hq, Hkv, D, 110);
+  const Matrix<T> X_q = random_matrix<T>(Tq, d_model, 111), X_kv = random_matrix<T>(Tk, d_model, 112);
+  const BruteMha brute(mha);
+  const Matrix<T> u = random_matrix<T>(d_model, 1, 113);
+  for (Index i = 0; i < Tq; ++i) {
+    const Eigen::VectorXd a = qkv::gradient_input_attribution(mha, X_q, X_kv, i, u);
+    const Eigen::VectorXd expected =
+        attribution_by_differences(brute, X_q.template cast<double>(), X_kv.template cast<double>(), i,
+                                   u.transpose().template cast<double>(), /*scale_query=*/false, kAll);
+    ASSERT_EQ(a.size(), Tk);
+    EXPECT_LE((a - expected).cwiseAbs().maxCoeff(),
+              attribution_tolerance<T>() * std::max(1.0, expected.cwiseAbs().maxCoeff()))
+        << "row " << i;
+  }
+}
+
+TEST(GradientInputAttribution, RealLayerBesideKeyAblation) {
+  // PP-OCRv4's first attention layer (tests/fixtures/README.md): d_model 120, 8 heads of 15, on its real input of 40
+  // tokens, in double. For output rows 0 and 20 (row 0 only with QKV_REDUCED_GRID=1) and the direction of the row
+  // itself (u = Y_i/‖Y_i‖, so u·Y_i = ‖Y_i‖), the gradient × input share of each token is printed beside the effect of
+  // hiding it (`key_ablation`, row i) and the head-averaged weight; they need not agree (the share is signed and
+  // first-order, includes token i's role as the query, and scales a token instead of removing it). Asserted: each
+  // share equals the float64 central difference of ‖Y_i‖ along the scaling of that token's row (the definition, 80
+  // forward passes), and their sum equals the difference along the scaling of the whole input (the total, computed
+  // independently by 2 forward passes).
+  const safetensors::File f =
+      safetensors::read(std::string(QKV_TEST_FIXTURES_DIR) + "/ppocr_v4_block1_attention.safetensors");
+  const qkv_test::NpyArray input =
+      qkv_test::read_npy_float32(std::string(QKV_TEST_FIXTURES_DIR) + "/ppocr_v4_block1_attention_input.npy");
+  ASSERT_EQ(input.shape, (std::vector<long>{40, 120}));
+  const Index T = 40, E = 120;
+  const auto matrix = [&](const char* name, Index rows, Index cols) {
+    const auto& tensor = f.tensors.at(name);
+    EXPECT_EQ(static_cast<Index>(tensor.values.size()), rows * cols) << name;
+    Matrix<double> m(rows, cols);
+    for (Index r = 0; r < rows; ++r)
+      for (Index c = 0; c < cols; ++c) m(r, c) = tensor.values[static_cast<std::size_t>(r * cols + c)];
+    return m;
+  };
+  qkv::MultiHeadAttention<double>::Config config;
+  config.d_model = E;
+  config.n_heads = 8;
+  qkv::MultiHeadAttention<double> mha(config);
+  mha.load_fused_qkv(matrix("linear_77.w_0", E, 3 * E), matrix("linear_77.b_0", 1, 3 * E),
+                     matrix("linear_78.w_0", E, E), matrix("linear_78.b_0", 1, E));
+  Matrix<double> X(T, E);
+  for (Index t = 0; t < T; ++t)
+    for (Index c = 0; c < E; ++c) X(t, c) = input.values[static_cast<std::size_t>(t * E + c)];
+
+  const Matrix<double> Y = mha.forward(X);
+  const Matrix<double> ablation = qkv::key_ablation(mha, X, X);
+  Matrix<double> mean_weight = Matrix<double>::Zero(T, T);
+  for (const Matrix<double>& P : qkv::head_weights(mha, X, X)) mean_weight += P / double(mha.n_heads());
+  constexpr double h = 1e-5;
+  const char* reduced = std::getenv("QKV_REDUCED_GRID");  // the valgrind stage: one row
+  const std::vector<Index> rows =
+      reduced != nullptr && reduced[0] == '1' ? std::vector<Index>{0} : std::vector<Index>{0, 20};
+  for (const Index i : rows) {
+    const Eigen::RowVectorXd u = Y.row(i).normalized();
+    const Eigen::VectorXd a = qkv::gradient_input_attribution(mha, X, i, u);
+    const auto norm_of_row = [&](const Matrix<double>& input_rows) { return u.dot(mha.forward(input_rows).row(i)); };
+    Eigen::VectorXd by_differences(T);
+    for (Index j = 0; j < T; ++j) {
+      Matrix<double> plus = X, minus = X;
+      plus.row(j) *= 1 + h;
+      minus.row(j) *= 1 - h;
+      by_differences(j) = (norm_of_row(plus) - norm_of_row(minus)) / (2 * h);
+    }
+    const double total = (norm_of_row((1 + h) * X) - norm_of_row((1 - h) * X)) / (2 * h);
+    const double scale = std::max(1.0, by_differences.cwiseAbs().maxCoeff());
+    EXPECT_LE((a - by_differences).cwiseAbs().maxCoeff(), 1e-7 * scale) << "row " << i;
+    EXPECT_NEAR(a.sum(), total, 1e-7 * std::max(1.0, std::abs(total))) << "row " << i;
+
+    // Side by side: the five tokens with the largest |share|, and where key ablation and the weights put them.
+    std::vector<Index> order(static_cast<std::size_t>(T));
+    for (Index j = 0; j < T; ++j) order[static_cast<std::size_t>(j)] = j;
+    std::sort(order.begin(), order.end(), [&](Index x, Index y) { return std::abs(a(x)) > std::abs(a(y)); });
+    const auto rank_of = [&](const Eigen::VectorXd& v, Index j) {
+      Index rank = 0;
+      for (Index k = 0; k < T; ++k) rank += v(k) > v(j) ? 1 : 0;
+      return rank;
+    };
+    const Eigen::VectorXd ablation_row = ablation.row(i).transpose(), weight_row = mean_weight.row(i).transpose();
+    std::cout << "[ PP-OCRv4 ] output row " << i << ": ‖Y_i‖ = " << Y.row(i).norm() << ", Σ_j a_j = " << a.sum()
+              << " (d/dα ‖·‖ along α·X: " << total << ")\n"
+              << "  token   gradient×input   key ablation (rank, 0 = largest)   mean weight (rank)\n";
+    for (std::size_t k = 0; k < 5; ++k) {
+      const Index j = order[k];
+      std::printf("  %5td   %+14.4f   %25.4f (%2td)   %11.4f (%2td)\n", j, a(j), ablation_row(j),
+                  rank_of(ablation_row, j), weight_row(j), rank_of(weight_row, j));
+    }
+  }
+}
+
 // ---- errors --------------------------------------------------------------------------------------------------------
 
 using qkv_test::expect_shape_error;
@@ -411,6 +575,17 @@ TEST(InspectErrors, EveryThrow) {
   varlen.cu_seqlens_k = {0, 1, 3};
   expect_shape_error([&] { qkv::key_ablation(mha, X, X, varlen); }, {"qkv::key_ablation", "varlen"});
   expect_shape_error([&] { qkv::head_ablation(mha, X, random_matrix<double>(3, 5, 92)); }, {"X_kv has 5 columns"});
+  const Matrix<double> u = random_matrix<double>(1, 4, 93);
+  expect_shape_error([&] { qkv::gradient_input_attribution(mha, X, 3, u); },
+                     {"qkv::gradient_input_attribution", "row is 3", "[0, 3)"});
+  expect_shape_error([&] { qkv::gradient_input_attribution(mha, X, -1, u); }, {"row is -1"});
+  expect_shape_error([&] { qkv::gradient_input_attribution(mha, X, 0, random_matrix<double>(1, 3, 94)); },
+                     {"direction is 1 × 3", "d_model = 4"});
+  expect_shape_error([&] { qkv::gradient_input_attribution(mha, X, 0, random_matrix<double>(2, 2, 95)); },
+                     {"direction is 2 × 2"});
+  expect_shape_error([&] { qkv::gradient_input_attribution(mha, X, X, 4, u); }, {"row is 4", "(the rows of X_q)"});
+  expect_shape_error([&] { qkv::gradient_input_attribution(mha, X, random_matrix<double>(3, 5, 96), 0, u); },
+                     {"X_kv has 5 columns"});
 }
 
 }  // namespace

@@ -54,6 +54,21 @@ struct Kv16Call : qkv_test::ValidCall {
   void run_with_lse() { qkv::attention(q, k16, v16, out, lse, options); }
 };
 
+/// The valid call of ValidCall as a backward call: qkv::attention_backward with d_out [2, 4, 3, 3] and the gradients
+/// d_q [2, 4, 3, 4], d_k [2, 2, 5, 4], d_v [2, 2, 5, 3].
+struct BackwardCall : qkv_test::ValidCall {
+  std::vector<float> d_out_data = std::vector<float>(kRoom, 1.0f), d_q_data = std::vector<float>(kRoom),
+                     d_k_data = std::vector<float>(kRoom), d_v_data = std::vector<float>(kRoom),
+                     d_bias_data = std::vector<float>(kRoom), d_sinks_data = std::vector<float>(kRoom);
+  TensorView4<const float> d_out{d_out_data.data(), {B, Hq, Sq, Dv}};
+  TensorView4<float> d_q{d_q_data.data(), {B, Hq, Sq, D}};
+  TensorView4<float> d_k{d_k_data.data(), {B, Hkv, Skv, D}};
+  TensorView4<float> d_v{d_v_data.data(), {B, Hkv, Skv, Dv}};
+  qkv::AttentionGradientExtras<float> extras;
+
+  void run() { qkv::attention_backward<float>(q, k, v, out, lse, d_out, d_q, d_k, d_v, options, extras); }
+};
+
 /// merge_attention_states over [1, 2, 4, 3] states.
 struct MergeCall {
   std::vector<float> a_out = std::vector<float>(kRoom, 1.0f), b_out = std::vector<float>(kRoom, 2.0f),
@@ -545,6 +560,100 @@ std::vector<Row> table() {
         const qkv::Matrix<float> Q = qkv::Matrix<float>::Ones(3, 8);
         const qkv::Matrix<Eigen::half> K = qkv::Matrix<Eigen::half>::Ones(5, 8);
         (void)qkv::attention_weights(Q, K, qkv::Heads{4}, 4);
+      });
+
+  // ---- qkv::attention_backward: the valid call above as a backward call (BackwardCall), one thing broken per row ---
+  const std::string backward = "qkv::attention_backward";
+  add("backward: d_out with Dv 2, v with Dv 3", backward,
+      "d_out axis 3 (Dv) has extent 2, expected 3 (the extent of v axis 3)", [] {
+        BackwardCall c;
+        c.d_out = TensorView4<const float>(c.d_out_data.data(), {2, 4, 3, 2});
+        c.run();
+      });
+  add("backward: lse with Sq 2, q with Sq 3", backward,
+      "lse axis 2 (Sq) has extent 2, expected 3 (the extent of q axis 2)", [] {
+        BackwardCall c;
+        c.lse = TensorView3<float>(c.lse_data.data(), {2, 4, 2});
+        c.run();
+      });
+  add("backward: d_k with 4 keys, k with 5", backward,
+      "d_k axis 2 (Skv) has extent 4, expected 5 (the extent of k axis 2)", [] {
+        BackwardCall c;
+        c.d_k = TensorView4<float>(c.d_k_data.data(), {2, 2, 4, 4});
+        c.run();
+      });
+  add("backward: d_q whose strides make distinct indices share elements: strides [48, 12, 1, 1]", backward,
+      "d_q has strides whose elements overlap (extents [2, 4, 3, 4], strides [48, 12, 1, 1])", [] {
+        BackwardCall c;
+        c.d_q = TensorView4<float>(c.d_q_data.data(), {2, 4, 3, 4}, {48, 12, 1, 1});
+        c.run();
+      });
+  add("backward: d_q on q's memory", backward,
+      "d_q overlaps an input (q): d_q (384 bytes) starts 0 bytes after the start of q (384 bytes)", [] {
+        BackwardCall c;
+        c.d_q = TensorView4<float>(c.q_data.data(), {2, 4, 3, 4});
+        c.run();
+      });
+  add("backward: d_v on out's memory", backward,
+      "d_v overlaps an input (out): d_v (240 bytes) starts 0 bytes after the start of out (288 bytes)", [] {
+        BackwardCall c;
+        c.d_v = TensorView4<float>(c.out_data.data(), {2, 2, 5, 3});
+        c.run();
+      });
+  add("backward: d_v starting 8 floats into d_k's memory", backward,
+      "d_k overlaps d_v: d_k (320 bytes) starts 32 bytes before the start of d_v (240 bytes)", [] {
+        BackwardCall c;
+        c.d_v = TensorView4<float>(c.d_k_data.data() + 8, {2, 2, 5, 3});
+        c.run();
+      });
+  add("backward: extras.d_bias [1, 1, 3, 5] without options.bias", backward,
+      "extras.d_bias is requested (extents [1, 1, 3, 5], strides [15, 15, 5, 1]) but options.bias is not set", [] {
+        BackwardCall c;
+        c.extras.d_bias = TensorView4<float>(c.d_bias_data.data(), {1, 1, 3, 5});
+        c.run();
+      });
+  add("backward: extras.d_bias [2, 4, 3, 5] for options.bias [2, 1, 3, 5]", backward,
+      "extras.d_bias axis 1 (Hq) has extent 4, expected 1 (the extent of options.bias)", [] {
+        BackwardCall c;
+        c.options.bias = TensorView4<const float>(c.bias_data.data(), {2, 1, 3, 5});
+        c.extras.d_bias = TensorView4<float>(c.d_bias_data.data(), {2, 4, 3, 5});
+        c.run();
+      });
+  add("backward: extras.d_sinks with 3 entries for 4 query heads", backward,
+      "extras.d_sinks axis 0 (Hq) has extent 3, expected 4 (the extent of q axis 1)", [] {
+        BackwardCall c;
+        c.options.sinks = {0.0f, 0.0f, 0.0f, 0.0f};
+        c.extras.d_sinks = qkv::TensorView<float, 1>(c.d_sinks_data.data(), {3});
+        c.run();
+      });
+  add("backward: extras.d_sinks without options.sinks", backward,
+      "extras.d_sinks is requested (4 entries) but options.sinks is empty", [] {
+        BackwardCall c;
+        c.extras.d_sinks = qkv::TensorView<float, 1>(c.d_sinks_data.data(), {4});
+        c.run();
+      });
+  add("backward: options.window_left = -2", backward,
+      "options.window_left is -2, expected -1 (unbounded) or at least 0", [] {
+        BackwardCall c;
+        c.options.window_left = -2;
+        c.run();
+      });
+  // ---- dropout (options.dropout_p): a probability in [0, 1] ---------------------------------------------------------
+  add("options.dropout_p = -0.5", core, "options.dropout_p is -0.5, expected a probability in [0, 1]", [] {
+    Call c;
+    c.options.dropout_p = -0.5f;
+    c.run();
+  });
+  add("options.dropout_p = 1.5", core, "options.dropout_p is 1.5, expected a probability in [0, 1]", [] {
+    Call c;
+    c.options.dropout_p = 1.5f;
+    c.run();
+  });
+  add("options.dropout_p = NaN, on attention_weights", "qkv::attention_weights",
+      "options.dropout_p is nan, expected a probability in [0, 1]", [] {
+        qkv::AttentionOptions<float> options;
+        options.dropout_p = kNaN;
+        (void)qkv::attention_weights(qkv::Matrix<float>::Ones(3, 4), qkv::Matrix<float>::Ones(5, 4), options);
       });
   return rows;
 }

@@ -44,8 +44,8 @@ std::optional<std::pair<std::array<Index, 4>, std::vector<double>>> mask_values(
 template <class T>
 auto fields(const qkv::AttentionOptions<T>& o) {
   const auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-               alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage,
-               bias_storage] = o;
+               alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed,
+               dropout_offset, backend, allowed_storage, bias_storage] = o;
   const auto positions =
       global_positions ? std::optional<std::array<Index, 4>>({global_positions->q_begin, global_positions->k_begin,
                                                               global_positions->sq, global_positions->skv})
@@ -56,12 +56,14 @@ auto fields(const qkv::AttentionOptions<T>& o) {
                          alignment, window_left, window_right, global_tokens, key_lengths, mask_values(allowed),
                          mask_values(bias), std::vector<double>(alibi_slopes.begin(), alibi_slopes.end()),
                          std::vector<double>(sinks.begin(), sinks.end()), positions, cu_seqlens_q, cu_seqlens_k,
-                         backend, allowed_storage != nullptr, bias_storage != nullptr);
+                         static_cast<double>(dropout_p), dropout_seed, dropout_offset, backend,
+                         allowed_storage != nullptr, bias_storage != nullptr);
 }
 
 TEST(Options, EveryFieldSurvivesToBruteAndBack) {
-  // A value other than the default in every field (not a valid call: the converter does not validate). The masks are
-  // strided views with broadcast axes, to check the dense copies.
+  // A value other than the default in every field (not a valid call: the converter does not validate), but dropout,
+  // which brute::Params does not carry (to_brute rejects it; its defaults round-trip). The masks are strided views
+  // with broadcast axes, to check the dense copies.
   const bool allowed_data[] = {true, false, true, true, false, false, true, false, true, true, true, false};
   std::vector<float> bias_data(40);
   for (std::size_t n = 0; n < bias_data.size(); ++n) bias_data[n] = n % 7 == 3 ? -kInf : 0.25f * float(n) - 3.0f;

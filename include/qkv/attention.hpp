@@ -64,11 +64,17 @@ AttentionParams<T> resolve_params(const AttentionOptions<T>& options, Index D) n
   params.rules = MaskRules<T>::of(options, D);
   params.scale_log2e = params.rules.scale * static_cast<T>(simd::exp_constants::kLog2e);
   params.sinks = options.sinks.empty() ? nullptr : options.sinks.data();
+  params.dropout = DropoutRule<T>::make(options.dropout_p, options.dropout_seed, options.dropout_offset);
+  if (options.global_positions) {
+    params.dropout_q_begin = options.global_positions->q_begin;
+    params.dropout_k_begin = options.global_positions->k_begin;
+  }
   return params;
 }
 
 /// The reference backend over every (sequence, query head); K and V stored as S (T, or a 16-bit type whose values
-/// convert exactly to the accumulation type).
+/// convert exactly to the accumulation type). Dropout keys on the sequence index b (batch entry or varlen sequence)
+/// and on positions in the sequence (global ones with global positions).
 template <class T, class S>
 void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, const TensorView4<const S>& k,
                    const TensorView4<const S>& v, const TensorView4<T>& out, const TensorView3<T>* lse,
@@ -96,9 +102,10 @@ void run_reference(const AttentionShape& shape, const TensorView4<const T>& q, c
         lse_data = &(*lse)(view_b, h, q_rows.begin);
         lse_stride = lse->stride(2);
       }
+      const reference::HeadDropout<T> dropout{&params.dropout, b, h, params.dropout_q_begin, params.dropout_k_begin};
       reference::head_attention(rows_of(q, view_b, h, q_rows), rows_of(k, view_b, h_kv, kv_rows),
                                 rows_of(v, view_b, h_kv, kv_rows), mask, sink, rows_of(out, view_b, h, q_rows),
-                                lse_data, lse_stride);
+                                lse_data, lse_stride, dropout);
     }
   }
 }

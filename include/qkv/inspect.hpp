@@ -1,5 +1,6 @@
 // qkv/inspect.hpp — tools to look at what attention does: per-head summaries of the weights, head redundancy
-// (correlation of heads' weight maps) and ablations (the output change when a head is zeroed or a key is hidden).
+// (correlation of heads' weight maps), ablations (the output change when a head is zeroed or a key is hidden) and
+// gradient × input attribution (each token's first-order share in an output row, from the module's backward pass).
 //
 // Layering: this header sits above multi_head.hpp (it is the only header besides the umbrella that includes it), so
 // the module's `attention_weights` and `forward` are available; positional.hpp and scoring.hpp stay below the module.
@@ -13,13 +14,15 @@
 // the weights of a row sum to 1, so one weight rising pushes the others down; and heads are redundant (seed 002 §4.3:
 // "部分头的注意力模式高度相似", many can be pruned with little loss), so a prunable head cannot carry the explanation.
 // To test a reading of the weights, ablate (`key_ablation`, `head_ablation`: does the output really change?), check
-// stability across heads and layers (`head_redundancy`), compare with gradient attributions, and validate on a
-// synthetic task with a known answer.
+// stability across heads and layers (`head_redundancy`), compare with gradient attributions
+// (`gradient_input_attribution`), and validate on a synthetic task with a known answer (examples/train_tiny.cpp
+// trains one and checks where its weights go).
 //
 // Sources: seed 000 §2.4.7 (the four reasons and the four checks) and 例 2.4.1 (equal outputs for any weights when
 // the keys are symmetric); seed 002 §4.2–4.3 (head specialization, redundancy, correlation analysis, head pruning);
 // Michel, Levy & Neubig 2019, "Are Sixteen Heads Really Better than One?" (head ablation); Jain & Wallace 2019,
-// "Attention is not Explanation"; Clark et al. 2019, "What Does BERT Look At?" (per-head entropy and distance).
+// "Attention is not Explanation"; Clark et al. 2019, "What Does BERT Look At?" (per-head entropy and distance);
+// Simonyan et al. 2014 and Ancona et al. 2018 (gradient × input).
 #pragma once
 
 #include <algorithm>
@@ -313,6 +316,87 @@ Matrix<double> key_ablation(const MultiHeadAttention<Scalar>& mha, const Eigen::
       mask[static_cast<std::size_t>(r * Tk + j)] = saved[static_cast<std::size_t>(r)];
   }
   return E;
+}
+
+namespace detail {
+
+/// The d_model-vector `direction` of a gradient × input attribution, checked, as a row of the module's scalar type.
+template <class Scalar, class DU>
+Eigen::Matrix<Scalar, 1, Eigen::Dynamic> attribution_direction(const char* function, const Eigen::MatrixBase<DU>& u,
+                                                               Index d_model) {
+  static_assert(std::is_same_v<typename DU::Scalar, Scalar>,
+                "qkv::gradient_input_attribution: the direction must have the module's scalar type");
+  check_shape(u.size() == d_model && (u.rows() == 1 || u.cols() == 1), function, ": direction is ", u.rows(), " × ",
+              u.cols(), ", expected a vector of d_model = ", d_model, " entries");
+  return u.derived().reshaped().transpose();
+}
+
+}  // namespace detail
+
+/// Gradient × input attribution of one output row in one direction (Simonyan, Vedaldi & Zisserman 2014; Shrikumar et
+/// al. 2016; Ancona et al. 2018, "gradient * input"): for the scalar u·Y_i, the share of input token j is
+///
+///     a_j = Σ_c X_jc · ∂(u·Y_i)/∂X_jc,   Y = mha.forward(X, options),
+///
+/// the first-order effect of scaling token j: a_j = d/dα (u·Y_i)(X with row j multiplied by α) at α = 1. Unlike a
+/// weight, a_j accounts for the value row, W_o and the softmax's competition (seed 000 §2.4.7: "a weight is not a
+/// contribution"); unlike `key_ablation`, it is a local, signed, first-order measure (one backward pass instead of
+/// T + 1 forward passes), and it covers every path of token j: as a key and value for every j, and, for j = i, also
+/// as the query. Σ_j a_j = d/dα (u·Y_i)(α·X) at α = 1, which equals u·Y_i only when the layer is homogeneous of degree
+/// 1 in X (it is not: softmax, biases); gradient × input is a linearization, not a decomposition of u·Y_i.
+///
+/// Shapes: X T × d_model (self-attention: X is the query, key and value input; kdim = vdim = d_model); row in [0, T);
+/// direction a vector of d_model entries (e.g. Y_i/‖Y_i‖ to attribute the row's size, or a readout vector such as a
+/// class's row of the layer that follows) → T entries in double (computed in Scalar, the module's type).
+/// Options: every option of `MultiHeadAttention::backward` (masks, varlen, RoPE through Config::rope; dropout with
+/// the forward call's seed and offset).
+/// Edge cases: a token hidden from query i (padding, causal) gets 0 unless it is i itself; T = 0 has no row to ask.
+/// Throws: shape_error for a row outside [0, T), a direction of the wrong size, or as `MultiHeadAttention::backward`.
+/// Complexity: one backward pass of the module (about three forward passes), O(T·d_model) more; allocates as
+/// `backward`. Thread safety: const on the module.
+/// Example (tests/test_inspect.cpp prints it beside `key_ablation` on the PP-OCRv4 layer):
+///
+///     const Eigen::VectorXd a = qkv::gradient_input_attribution(mha, X, i, Y.row(i).normalized());
+///
+/// Source: Simonyan et al. 2014 (saliency: the gradient of the output with respect to the input); Shrikumar et al.
+/// 2016 and Ancona et al. 2018 (gradient * input, summed over a token's features); seed 000 §2.4.7 (compare weights
+/// with gradient attributions).
+template <class Scalar, class DX, class DU>
+Eigen::VectorXd gradient_input_attribution(const MultiHeadAttention<Scalar>& mha, const Eigen::MatrixBase<DX>& X,
+                                           Index row, const Eigen::MatrixBase<DU>& direction,
+                                           const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) {
+  const char* function = "qkv::gradient_input_attribution";
+  detail::check_shape(row >= 0 && row < X.rows(), function, ": row is ", row, ", expected an index in [0, ", X.rows(),
+                      ") (the rows of X)");
+  Matrix<Scalar> dY = Matrix<Scalar>::Zero(X.rows(), mha.d_model());
+  dY.row(row) = detail::attribution_direction<Scalar>(function, direction, mha.d_model());
+  const typename MultiHeadAttention<Scalar>::Gradients g = mha.backward(X, dY, options);
+  return (X.derived().template cast<double>().cwiseProduct(g.dX.template cast<double>())).rowwise().sum();
+}
+
+/// Gradient × input attribution for cross-attention `mha.forward(X_q, X_kv, options)`: the share of key/value token j
+/// (a row of X_kv) in u·Y_i,
+///
+///     a_j = Σ_c X_kv,jc · ∂(u·Y_i)/∂X_kv,jc,
+///
+/// over both of its paths (as key and as value), the columns `key_ablation(mha, X_q, X_kv)` measures by hiding. The
+/// query token's own share, X_q,i·∂(u·Y_i)/∂X_q,i, is not part of it (Y_i depends on X_q through row i only); it is
+/// `X_q.row(i).dot(g.dX_q.row(i))` with g = mha.backward(X_q, X_kv, dY) and dY zero but row i = u.
+/// Shapes: X_q Tq × d_model, X_kv Tk × kdim (kdim = vdim), row in [0, Tq), direction d_model entries → Tk entries.
+/// Throws: as the self-attention form, or as `MultiHeadAttention::backward(X_q, X_kv, dY, options)`.
+/// Complexity, thread safety and source as the self-attention form.
+template <class Scalar, class DQ, class DKV, class DU>
+Eigen::VectorXd gradient_input_attribution(const MultiHeadAttention<Scalar>& mha, const Eigen::MatrixBase<DQ>& X_q,
+                                           const Eigen::MatrixBase<DKV>& X_kv, Index row,
+                                           const Eigen::MatrixBase<DU>& direction,
+                                           const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) {
+  const char* function = "qkv::gradient_input_attribution";
+  detail::check_shape(row >= 0 && row < X_q.rows(), function, ": row is ", row, ", expected an index in [0, ",
+                      X_q.rows(), ") (the rows of X_q)");
+  Matrix<Scalar> dY = Matrix<Scalar>::Zero(X_q.rows(), mha.d_model());
+  dY.row(row) = detail::attribution_direction<Scalar>(function, direction, mha.d_model());
+  const typename MultiHeadAttention<Scalar>::Gradients g = mha.backward(X_q, X_kv, dY, options);
+  return (X_kv.derived().template cast<double>().cwiseProduct(g.dX_kv.template cast<double>())).rowwise().sum();
 }
 
 }  // namespace qkv

@@ -246,6 +246,9 @@ std::pair<Signature, Signature> signature_of(const TensorView4<const T>& q, cons
   fixed.add("options.window_right", options.window_right);
   fixed.add("options.global_tokens", options.global_tokens);
   fixed.add("options.backend", static_cast<std::int64_t>(options.backend));
+  fixed.add_real("options.dropout_p", options.dropout_p);
+  fixed.add("options.dropout_seed", static_cast<std::int64_t>(options.dropout_seed));
+  fixed.add("options.dropout_offset", static_cast<std::int64_t>(options.dropout_offset));
   fixed.add("the size of options.key_lengths", static_cast<std::int64_t>(options.key_lengths.size()));
   fixed.add("the size of options.alibi_slopes", static_cast<std::int64_t>(options.alibi_slopes.size()));
   fixed.add("the size of options.sinks", static_cast<std::int64_t>(options.sinks.size()));
@@ -730,6 +733,10 @@ void ulysses_attention(MPI_Comm comm, non_deduced_t<TensorView4<const T>> q, non
   MPI_Comm_size(comm, &size);
   const Index B = q.extent(0), Hq = q.extent(1), Hkv = k.extent(1), D = q.extent(3), Dv = v.extent(3), P = size;
   // The head rules: every rank sees the same extents (agreed above), so every rank throws alike.
+  // Every rank holds the same options (agreed above), so every rank throws alike.
+  md::check_shape(options.dropout_p == T(0), function, ": options.dropout_p is ", options.dropout_p,
+                  "; dropout is not supported by ulysses_attention yet (a rank computes its heads as heads 0, 1, ..., "
+                  "and the dropout mask is keyed by the head); ring_attention supports it");
   md::check_shape(Hq % P == 0, function, ": q axis 1 (Hq) has extent ", Hq, ", not a multiple of the ", P,
                   " ranks (Ulysses gives each rank Hq / ranks query heads)");
   md::check_shape(Hkv % P == 0 || P % Hkv == 0, function, ": k axis 1 (Hkv) has extent ", Hkv, " and there are ", P,

@@ -1,5 +1,6 @@
 // qkv/multi_head.hpp — the multi-head attention module: projections W_q, W_k, W_v, W_o with their biases around
-// the core entry point, for self-, cross- and incremental (KV-cache) attention, with GQA/MQA and varlen batches.
+// the core entry point, for self-, cross- and incremental (KV-cache) attention, with GQA/MQA and varlen batches, and
+// its backward pass (the gradients of the inputs and of every parameter, through `qkv::attention_backward`).
 //
 // Rows are tokens and every weight is stored [in, out], so a projection is one matrix product on the right:
 //
@@ -30,7 +31,11 @@
 //                                                (identical to the default bottom_right when L = S)
 //     need_weights, average_attn_weights     ->  attention_weights(X_q, X_kv, head) per head (and their mean)
 //     batch_first, a batch of N              ->  one forward per entry, or a varlen batch (cu_seqlens / a list)
-//     dropout, add_bias_kv, add_zero_attn    ->  not supported (forward pass without dropout)
+//     dropout (on the attention weights)     ->  options.dropout_p, with dropout_seed / dropout_offset (a Philox mask,
+//                                                not PyTorch's CPU generator: the same rate, different draws)
+//     add_bias_kv, add_zero_attn             ->  not supported
+//     loss.backward()                        ->  backward(X, dY, options) and the cross forms: dX and every
+//                                                parameter's gradient, in the module's [in, out] layout
 //
 // A row whose keys are all masked is NaN in PyTorch 1.13; here its attention output is zeros, so Y's row is b_o.
 //
@@ -49,6 +54,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/config.hpp"
 #include "qkv/detail/validate.hpp"
 #include "qkv/errors.hpp"
@@ -234,7 +240,7 @@ class KVCache {
   std::vector<Storage> values_;  ///< [Hkv, capacity, head_dim]
 };
 
-/// Multi-head attention with its projections (PyTorch's nn.MultiheadAttention, forward pass without dropout), with
+/// Multi-head attention with its projections (PyTorch's nn.MultiheadAttention, forward and backward), with
 /// grouped-query (GQA) and multi-query (MQA) heads, varlen batches and incremental decoding with a `KVCache` (of
 /// Scalar, or for a float module of 16-bit Eigen::half or Eigen::bfloat16: `make_cache<Eigen::half>(capacity)`):
 ///
@@ -539,7 +545,9 @@ class MultiHeadAttention {
   /// bfloat16).
   /// Shapes: cache of n_kv_heads() heads of head_dim() (e.g. `make_cache(capacity)`); Y is T_new × d_model.
   /// Precondition: kdim = vdim = d_model (K and V come from X_new).
-  /// Edge cases: slots past the cache's length are never read; T_new = 0 appends nothing and returns 0 × d_model.
+  /// Edge cases: slots past the cache's length are never read; T_new = 0 appends nothing and returns 0 × d_model. With
+  /// `options.dropout_p` > 0 the new rows draw the dropout mask of positions L … L + T_new − 1 (the mask one forward
+  /// over all the tokens would draw for them).
   /// Throws: shape_error when X_new does not have d_model columns, the cache's heads or head_dim differ from the
   /// module's, length + T_new exceeds the capacity (the cache is left unchanged), or as `qkv::attention` (the append is
   /// then undone).
@@ -586,6 +594,13 @@ class MultiHeadAttention {
     AttentionOptions<Scalar> causal = options;
     causal.causal = true;
     causal.alignment = CausalAlignment::bottom_right;
+    if (options.dropout_p > Scalar(0) && !options.global_positions) {
+      // Dropout keys its mask by position: the new queries are positions L … L + T_new − 1 of the sequence, as in one
+      // forward over all L + T_new tokens (the same visibility: bottom-right causal at global positions is the same
+      // diagonal).
+      const Index total = old_length + X_new.rows();
+      causal.global_positions = GlobalPositions{old_length, 0, total, total};
+    }
     Matrix<Scalar> Y = attend<Storage>(Q, cache.keys(), cache.values(), causal);
     undo.committed = true;
     return Y;
@@ -630,6 +645,135 @@ class MultiHeadAttention {
     rotate_sequences(Q, config_.n_heads, options.cu_seqlens_q);
     rotate_sequences(K, config_.n_kv_heads, options.cu_seqlens_k);
     return qkv::attention_weights(Q, K, Heads{config_.n_heads, config_.n_kv_heads}, head, options);
+  }
+
+  // ---- backward ---------------------------------------------------------------------------------------------------
+
+  /// The gradients of a scalar loss L through one forward call, as `backward` returns them: each has the shape of
+  /// what it is the gradient of (the parameters' shapes and layout, [in, out] weights), so an SGD step is
+  /// `mha.W_q -= lr * g.dW_q;` field by field. PyTorch's names: dX_q, dX_k, dX_v are `query.grad`, `key.grad` and
+  /// `value.grad` of nn.MultiheadAttention(query, key, value); dX is `x.grad` of the self-attention call
+  /// nn.MultiheadAttention(x, x, x) (the three paths summed); dW_q … db_o are the parameters' `.grad` (transposed from
+  /// PyTorch's [out, in] to the module's [in, out], and packed PyTorch's in_proj_bias.grad is db_q | db_k | db_v).
+  struct Gradients {
+    /// Self-attention `backward(X, dY)`: ∂L/∂X = dX_q + dX_k + dX_v, T × d_model. Empty (0 × 0) from the cross forms.
+    Matrix<Scalar> dX;
+    /// `backward(X_q, X_kv, dY)`: ∂L/∂X_kv = dX_k + dX_v, Tk × kdim. Empty (0 × 0) from the other forms.
+    Matrix<Scalar> dX_kv;
+    /// The gradient through the query input, Tq × d_model (every form).
+    Matrix<Scalar> dX_q;
+    /// The gradient through the key input, Tk × kdim (every form; in self-attention, X's share through K).
+    Matrix<Scalar> dX_k;
+    /// The gradient through the value input, Tk × vdim (every form; in self-attention, X's share through V).
+    Matrix<Scalar> dX_v;
+    /// ∂L/∂W_q (d_model × n_heads·head_dim), ∂L/∂W_k (kdim × n_kv_heads·head_dim), ∂L/∂W_v (vdim ×
+    /// n_kv_heads·head_dim), ∂L/∂W_o (n_heads·head_dim × d_model).
+    Matrix<Scalar> dW_q, dW_k, dW_v, dW_o;
+    /// ∂L/∂b_q, ∂L/∂b_k, ∂L/∂b_v, ∂L/∂b_o; 0 entries when Config::bias is false.
+    Vector db_q, db_k, db_v, db_o;
+  };
+
+  /// Backward pass of self-attention: given dY = ∂L/∂Y for Y = forward(X, options), the gradients of L with respect to
+  /// X and to every parameter (`Gradients`), by the chain rule through the module:
+  ///
+  ///     dW_o = Oᵀ·dY,   db_o = Σ_t dY_t,   dO = dY·W_oᵀ
+  ///     dQ, dK, dV = attention_backward(Q, K, V, O, lse, dO)       (qkv::attention_backward, GQA summed per kv head)
+  ///     dQ ← R(pos_q)ᵀ·dQ,  dK ← R(pos_k)ᵀ·dK                      (Config::rope only: the rotation taken back)
+  ///     dW_q = X_qᵀ·dQ,  db_q = Σ_t dQ_t,  dX_q = dQ·W_qᵀ           (and the same for K with X_k, V with X_v)
+  ///     dX = dX_q + dX_k + dX_v
+  ///
+  /// It recomputes the forward (projections, RoPE, `qkv::attention` with its lse) and keeps no state, so a `const`
+  /// module serves concurrent backward passes; the recomputed Y is not returned (call `forward` for it).
+  /// Shapes: X T × d_model, dY T × d_model (kdim = vdim = d_model). Gradients as `Gradients` documents.
+  /// Options: the same options as the forward call, every one differentiated as `qkv::attention_backward` does (masks,
+  ///   scale, softcap, ALiBi, sinks, varlen with cu_seqlens over X's rows, global positions). Dropout
+  ///   (`options.dropout_p`): pass the same dropout_seed and dropout_offset as the forward call whose loss this is; the
+  ///   mask is a function of them and of the positions (never stored), so forward and backward see the same mask.
+  ///   Options are not parameters of the module: no gradient is returned for `bias` or `sinks` (call
+  ///   `qkv::attention_backward` with `AttentionGradientExtras` for those).
+  /// RoPE (Config::rope): the rotation is differentiated exactly (dQ and dK rotated back by Rᵀ, positions as in
+  ///   `forward(X)`, each varlen sequence from 0).
+  /// Edge cases: T = 0 gives empty dX and zero parameter gradients; a row that sees no key passes no gradient into
+  ///   the attention (its Y = b_o still gives db_o its dY row); NaN follows `qkv::attention_backward`'s rule.
+  /// Throws: shape_error when X or dY does not have d_model columns, dY does not have X's rows, kdim or vdim differs
+  ///   from d_model, a weight has the wrong shape, or as `qkv::attention` / `qkv::attention_backward`;
+  ///   unsupported_error as the core (Backend::fused with double).
+  /// Complexity: about three forward passes: the forward itself (projections, O(T·d_model·(2·Hq + 2·Hkv)·head_dim),
+  ///   and attention), then twice the projections' cost (dX and dW of each of the four projections) and
+  ///   the attention backward (≈ 2–2.5× the attention forward on the fused path); allocates Q, K, V, O, lse, dO, dQ,
+  ///   dK, dV and the gradients, O(T·(d_model + (Hq + Hkv)·head_dim) + parameters); the attention itself stores no
+  ///   T × T matrix on the fused path (float, Backend::automatic).
+  /// Thread safety: const; concurrent calls on one module are safe.
+  /// Example: examples/train_tiny.cpp (SGD on a copy task):
+  ///
+  ///     const auto g = mha.backward(X, dY, options);
+  ///     mha.W_q -= lr * g.dW_q;  mha.W_k -= lr * g.dW_k;  mha.W_v -= lr * g.dW_v;  mha.W_o -= lr * g.dW_o;
+  ///
+  /// Source: backpropagation through the projections (seed 002 §2.1, §3.3, §4.1); the attention backward of
+  /// FlashAttention-2 (Dao 2023, Algorithm 2); RoPE's rotation is orthogonal (Su et al. 2021), so its Jacobian's
+  /// transpose is the rotation by −θ; PyTorch autograd's results for nn.MultiheadAttention.
+  template <class DX, class DY>
+  Gradients backward(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& dY,
+                     const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DX, DY>();
+    const char* function = "qkv::MultiHeadAttention::backward";
+    check_self_projections(function, "the self-attention backward (X is the query, key and value input) needs",
+                           "; use backward(X_q, X_kv, dY) or backward(X_q, X_k, X_v, dY)");
+    Gradients g = backward_impl(function, X.derived(), "X", X.derived(), "X", X.derived(), "X", dY.derived(), options);
+    g.dX = g.dX_q + g.dX_k + g.dX_v;
+    return g;
+  }
+
+  /// Backward pass of cross-attention `forward(X_q, X_kv, options)`: X_q Tq × d_model, X_kv Tk × kdim (kdim = vdim),
+  /// dY Tq × d_model. dX_kv = dX_k + dX_v is the gradient with respect to X_kv; dX_q, the parameters' gradients and
+  /// everything else as the self-attention form (RoPE: queries and keys each from position 0, as the forward).
+  /// Throws: shape_error when kdim ≠ vdim, or as the self-attention form. Complexity as the self-attention form.
+  /// Source: PyTorch nn.MultiheadAttention(query = X_q, key = value = X_kv) under autograd.
+  template <class DQ, class DKV, class DY>
+  Gradients backward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DKV>& X_kv,
+                     const Eigen::MatrixBase<DY>& dY,
+                     const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DQ, DKV, DY>();
+    const char* function = "qkv::MultiHeadAttention::backward";
+    detail::check_shape(config_.kdim == config_.vdim, function,
+                        ": X_kv is both the key and the value input, which needs kdim = vdim, but kdim is ",
+                        config_.kdim, " and vdim is ", config_.vdim, "; use backward(X_q, X_k, X_v, dY)");
+    Gradients g = backward_impl(function, X_q.derived(), "X_q", X_kv.derived(), "X_kv", X_kv.derived(), "X_kv",
+                                dY.derived(), options);
+    g.dX_kv = g.dX_k + g.dX_v;
+    return g;
+  }
+
+  /// Backward pass of `forward(X_q, X_k, X_v, options)`: X_q Tq × d_model, X_k Tk × kdim, X_v Tk × vdim, dY Tq ×
+  /// d_model; dX_q, dX_k and dX_v are the gradients with respect to the three inputs (dX and dX_kv stay empty), the
+  /// rest as the self-attention form.
+  /// Throws: shape_error when X_k and X_v have different row counts, or as the self-attention form.
+  /// Source: PyTorch nn.MultiheadAttention(query, key, value) with kdim, vdim, under autograd.
+  template <class DQ, class DK, class DV, class DY>
+  Gradients backward(const Eigen::MatrixBase<DQ>& X_q, const Eigen::MatrixBase<DK>& X_k,
+                     const Eigen::MatrixBase<DV>& X_v, const Eigen::MatrixBase<DY>& dY,
+                     const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    check_scalar<DQ, DK, DV, DY>();
+    return backward_impl("qkv::MultiHeadAttention::backward", X_q.derived(), "X_q", X_k.derived(), "X_k", X_v.derived(),
+                         "X_v", dY.derived(), options);
+  }
+
+  /// Not differentiated: a KV-cache step (`forward(X_new, cache)`) is inference; its loss would depend on the cached
+  /// keys and values, which the cache keeps as numbers, not as functions of the earlier inputs. Always throws
+  /// shape_error saying so; run `backward(X, dY, options)` on the whole sequence with `options.causal = true` instead
+  /// (the same rows, tested equal in the forward). The cache is not touched. Source: as PyTorch, where a KV cache is
+  /// used under torch.no_grad() in generation.
+  template <class DX, class Storage, class DY>
+  Gradients backward(const Eigen::MatrixBase<DX>& X_new, const KVCache<Scalar, Storage>& cache,
+                     const Eigen::MatrixBase<DY>& dY,
+                     const AttentionOptions<Scalar>& options = AttentionOptions<Scalar>()) const {
+    (void)options;
+    const char* advice =
+        " rows) is not differentiated; run backward(X, dY, options) with options.causal = true on "
+        "the whole sequence";
+    detail::raise<shape_error>(detail::concat("qkv::MultiHeadAttention::backward: a KV-cache call (X_new of ",
+                                              X_new.rows(), " rows, a cache of ", cache.length(), " tokens, dY of ",
+                                              dY.rows(), advice));
   }
 
  private:
@@ -690,28 +834,35 @@ class MultiHeadAttention {
 
   /// RoPE in place (nothing without Config::rope) on `rows` rows of M (packed heads, T × n_heads·head_dim) from row
   /// `first_row`: every head of row first_row + t is rotated by the angles of position first_position + t, with
-  /// positional.hpp's rotation. O(rows·n_heads·head_dim) + O(rows·head_dim) cos/sin; allocates O(head_dim).
-  void rotate(Matrix<Scalar>& M, Index n_heads, Index first_row, Index rows, Index first_position) const {
+  /// positional.hpp's rotation; `inverse` rotates by the opposite angles instead, R(−θ) = R(θ)ᵀ = R(θ)⁻¹, which takes
+  /// a gradient with respect to the rotated rows back to the unrotated ones. O(rows·n_heads·head_dim) +
+  /// O(rows·head_dim) cos/sin; allocates O(head_dim).
+  void rotate(Matrix<Scalar>& M, Index n_heads, Index first_row, Index rows, Index first_position,
+              bool inverse = false) const {
     if (!config_.rope) return;
     const Index D = config_.head_dim;
     QKV_ASSERT(M.cols() == n_heads * D && first_row >= 0 && rows >= 0 && first_row + rows <= M.rows());
     std::vector<double> cosines(rope_frequencies_.size()), sines(rope_frequencies_.size());
     for (Index t = 0; t < rows; ++t) {
       detail::rope_angles(first_position + t, rope_frequencies_, cosines, sines);
+      if (inverse) {
+        for (double& sine : sines) sine = -sine;  // cos(−θ) = cos θ, sin(−θ) = −sin θ
+      }
       Scalar* row = M.data() + (first_row + t) * M.cols();  // row-major: the heads of a row are contiguous
       for (Index h = 0; h < n_heads; ++h) detail::rope_rotate(row + h * D, D, cosines, sines, config_.rope->layout);
     }
   }
 
   /// RoPE on the rows of M from position 0, or, with varlen offsets `cu_seqlens` (already checked against M's rows),
-  /// on each sequence from its own position 0.
-  void rotate_sequences(Matrix<Scalar>& M, Index n_heads, const std::vector<Index>& cu_seqlens) const {
+  /// on each sequence from its own position 0; `inverse` as `rotate`.
+  void rotate_sequences(Matrix<Scalar>& M, Index n_heads, const std::vector<Index>& cu_seqlens,
+                        bool inverse = false) const {
     if (cu_seqlens.empty()) {
-      rotate(M, n_heads, 0, M.rows(), 0);
+      rotate(M, n_heads, 0, M.rows(), 0, inverse);
       return;
     }
     for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b)
-      rotate(M, n_heads, cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b], 0);
+      rotate(M, n_heads, cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b], 0, inverse);
   }
 
   Index q_columns() const noexcept { return config_.n_heads * config_.head_dim; }
@@ -782,10 +933,11 @@ class MultiHeadAttention {
     return Y;
   }
 
+  /// The checks of every forward and backward form: the weights, the inputs' columns, the key and value rows, the
+  /// varlen offsets against the rows they split.
   template <class DQ, class DK, class DV>
-  Matrix<Scalar> forward_impl(const char* function, const DQ& X_q, const char* q_name, const DK& X_k,
-                              const char* k_name, const DV& X_v, const char* v_name,
-                              const AttentionOptions<Scalar>& options) const {
+  void check_inputs(const char* function, const DQ& X_q, const char* q_name, const DK& X_k, const char* k_name,
+                    const DV& X_v, const char* v_name, const AttentionOptions<Scalar>& options) const {
     check_weights(function);
     check_shape_input(function, q_name, X_q.cols(), config_.d_model, "d_model");
     check_shape_input(function, k_name, X_k.cols(), config_.kdim, "kdim");
@@ -793,6 +945,13 @@ class MultiHeadAttention {
     detail::check_shape(X_k.rows() == X_v.rows(), function, ": ", v_name, " has ", X_v.rows(), " rows, expected ",
                         X_k.rows(), " (the rows of ", k_name, ")");
     check_varlen(function, options, X_q.rows(), q_name, X_k.rows(), k_name);
+  }
+
+  template <class DQ, class DK, class DV>
+  Matrix<Scalar> forward_impl(const char* function, const DQ& X_q, const char* q_name, const DK& X_k,
+                              const char* k_name, const DV& X_v, const char* v_name,
+                              const AttentionOptions<Scalar>& options) const {
+    check_inputs(function, X_q, q_name, X_k, k_name, X_v, v_name, options);
     Matrix<Scalar> Q = project(X_q, W_q, b_q);
     Matrix<Scalar> K = project(X_k, W_k, b_k);  // once per kv head: Tk × Hkv·head_dim
     const Matrix<Scalar> V = project(X_v, W_v, b_v);
@@ -801,6 +960,61 @@ class MultiHeadAttention {
     const Index H_kv = config_.n_kv_heads, D = config_.head_dim;
     return attend<Scalar>(Q, detail::packed_heads_view(K.data(), K.rows(), H_kv, D, K.cols()),
                           detail::packed_heads_view(V.data(), V.rows(), H_kv, D, V.cols()), options);
+  }
+
+  /// The backward pass of every form: recomputes the forward (projections, RoPE, attention with its lse), then runs
+  /// the chain rule documented at `backward(X, dY, options)`. dX and dX_kv are left for the public forms.
+  template <class DQ, class DK, class DV, class DY>
+  Gradients backward_impl(const char* function, const DQ& X_q, const char* q_name, const DK& X_k, const char* k_name,
+                          const DV& X_v, const char* v_name, const DY& dY,
+                          const AttentionOptions<Scalar>& options) const {
+    check_inputs(function, X_q, q_name, X_k, k_name, X_v, v_name, options);
+    detail::check_shape(dY.rows() == X_q.rows() && dY.cols() == config_.d_model, function, ": dY is ", dY.rows(), " × ",
+                        dY.cols(), ", expected ", X_q.rows(), " × ", config_.d_model, " (the rows of ", q_name,
+                        " × d_model: the shape of Y)");
+    const Index Tq = X_q.rows(), Tk = X_k.rows(), H_q = config_.n_heads, H_kv = config_.n_kv_heads,
+                D = config_.head_dim;
+    // The forward, as forward_impl computes it, keeping O and the lse for the attention backward.
+    Matrix<Scalar> Q = project(X_q, W_q, b_q);
+    Matrix<Scalar> K = project(X_k, W_k, b_k);
+    const Matrix<Scalar> V = project(X_v, W_v, b_v);
+    rotate_sequences(Q, H_q, options.cu_seqlens_q);
+    rotate_sequences(K, H_kv, options.cu_seqlens_k);
+    Matrix<Scalar> O(Tq, H_q * D), lse(H_q, Tq);  // lse [1, Hq, Tq]: one row per head
+    const TensorView4<const Scalar> q = detail::packed_heads_view(Q.data(), Tq, H_q, D, Q.cols());
+    const TensorView4<const Scalar> k = detail::packed_heads_view(K.data(), Tk, H_kv, D, K.cols());
+    const TensorView4<const Scalar> v = detail::packed_heads_view(V.data(), Tk, H_kv, D, V.cols());
+    const TensorView4<Scalar> out = detail::packed_heads_view(O.data(), Tq, H_q, D, O.cols());
+    const TensorView3<Scalar> lse_view(lse.data(), {1, H_q, Tq}, {H_q * Tq, Tq, 1});
+    qkv::attention<Scalar>(q, k, v, out, lse_view, options);
+
+    Gradients g;
+    g.dW_o.noalias() = O.transpose() * dY;
+    g.db_o = config_.bias ? Vector(dY.colwise().sum().transpose()) : Vector();
+    Matrix<Scalar> dO(Tq, H_q * D);
+    dO.noalias() = dY * W_o.transpose();
+    Matrix<Scalar> dQ(Tq, H_q * D), dK(Tk, H_kv * D), dV(Tk, H_kv * D);
+    qkv::attention_backward<Scalar>(q, k, v, out, lse_view, detail::packed_heads_view(dO.data(), Tq, H_q, D, dO.cols()),
+                                    detail::packed_heads_view(dQ.data(), Tq, H_q, D, dQ.cols()),
+                                    detail::packed_heads_view(dK.data(), Tk, H_kv, D, dK.cols()),
+                                    detail::packed_heads_view(dV.data(), Tk, H_kv, D, dV.cols()), options);
+    rotate_sequences(dQ, H_q, options.cu_seqlens_q, /*inverse=*/true);  // Rᵀ: back to the unrotated projections
+    rotate_sequences(dK, H_kv, options.cu_seqlens_k, /*inverse=*/true);
+    project_backward(X_q, dQ, W_q, g.dX_q, g.dW_q, g.db_q);
+    project_backward(X_k, dK, W_k, g.dX_k, g.dW_k, g.db_k);
+    project_backward(X_v, dV, W_v, g.dX_v, g.dW_v, g.db_v);
+    return g;
+  }
+
+  /// The gradients of P = X·W + b given dP: dX = dP·Wᵀ, dW = Xᵀ·dP, db = Σ_t dP_t (empty without biases).
+  template <class DX>
+  void project_backward(const DX& X, const Matrix<Scalar>& dP, const Matrix<Scalar>& W, Matrix<Scalar>& dX,
+                        Matrix<Scalar>& dW, Vector& db) const {
+    dX.resize(X.rows(), W.rows());
+    dX.noalias() = dP * W.transpose();
+    dW.resize(W.rows(), W.cols());
+    dW.noalias() = X.transpose() * dP;
+    db = config_.bias ? Vector(dP.colwise().sum().transpose()) : Vector();
   }
 
   /// Y = attention(Q, k, v)·W_o + b_o, with Q packed (Tq × Hq·head_dim) and k, v [1, Hkv, Tk, head_dim] views of

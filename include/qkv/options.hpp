@@ -1,6 +1,7 @@
 // qkv/options.hpp — what an attention call computes besides softmax(q·kᵀ·scale)·v: masks, biases, backend.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -149,6 +150,28 @@ struct AttentionOptions {
   /// `allowed` or `bias`. Empty = not varlen.
   std::vector<Index> cu_seqlens_q;
   std::vector<Index> cu_seqlens_k;
+
+  /// Dropout on the attention weights (Srivastava et al. 2014, placed after the softmax and before P·V as in the
+  /// original Transformer and seed 002): each weight p_ij is kept with probability 1 − dropout_p and scaled by
+  /// 1/(1 − dropout_p), or dropped (exactly 0; its value row is then not read), so
+  ///
+  ///     out_i = Σ_j (keep_ij ? p_ij / (1 − dropout_p) : 0) · v_j,   lse_i unchanged (the undropped softmax's),
+  ///
+  /// as FlashAttention's dropout. E[out_i] over masks is the output without dropout. keep_ij is a pure function of
+  /// (dropout_seed, dropout_offset, sequence, query head, query position, key position), from the counter-based
+  /// generator Philox 4×32-10 (qkv/dropout.hpp documents the keying exactly): the mask is never stored, is the same on
+  /// every backend, tiling, thread count and varlen packing, and is recomputed by a backward pass. The sequence is the
+  /// batch index (or the varlen sequence index, so a varlen batch's sequence b gets the mask of batch entry b of a
+  /// padded call); positions are global ones with `global_positions`.
+  /// 0 (the default) = no dropout: no dropout code runs, bit-identical to a call without it. 1 drops every weight
+  /// (zero outputs, lse unchanged). Outside [0, 1] or NaN is a shape_error. A row whose scores are undefined (NaN among
+  /// its visible scores) stays NaN whatever is dropped. `attention_weights` returns the dropped, rescaled weights.
+  T dropout_p = T(0);
+  /// The generator's seed (its key): fixed for a training run, or drawn once.
+  std::uint64_t dropout_seed = 0;
+  /// Selects a fresh mask per call with the same seed: advance it on every call (e.g. the step count times the number
+  /// of attention calls per step plus the call's index), so the options stay `const` and a module shareable.
+  std::uint64_t dropout_offset = 0;
 
   /// Which implementation computes the call.
   Backend backend = Backend::automatic;

@@ -2,7 +2,9 @@
 #pragma once
 
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/config.hpp"
+#include "qkv/dropout.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/inspect.hpp"
 #include "qkv/isa.hpp"

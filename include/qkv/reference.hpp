@@ -2,8 +2,8 @@
 //
 // This is the executable specification: every fast path is tested against it. It forms the scores
 // S = Q·Kᵀ of one (sequence, query head) in double, decides visibility with `HeadMask` (mask.hpp), takes a
-// stable softmax over the visible keys and multiplies by V, also in double. Memory O(Sq·Skv) per head;
-// `Backend::reference` selects it.
+// stable softmax over the visible keys, drops weights where the call asks for dropout (dropout.hpp) and multiplies by
+// V, also in double. Memory O(Sq·Skv) per head; `Backend::reference` selects it.
 #pragma once
 
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "qkv/config.hpp"
+#include "qkv/dropout.hpp"
 #include "qkv/mask.hpp"
 
 namespace qkv {
@@ -70,26 +71,51 @@ void head_weights(const Eigen::MatrixBase<QDerived>& q, const Eigen::MatrixBase<
   }
 }
 
+/// Where one (sequence, query head) sits for dropout (dropout.hpp): the call's rule, the sequence index (batch index,
+/// or varlen sequence index), the query head, and the positions in the sequence of its first query row and first key
+/// row (global positions with `options.global_positions`). A null or inactive rule drops nothing.
+template <class T>
+struct HeadDropout {
+  const detail::DropoutRule<T>* rule = nullptr;
+  Index sequence = 0, h = 0, q_begin = 0, k_begin = 0;
+};
+
+/// Dropout on the weights of `head_weights`, in place: weight (i, j), j < skv, is kept and scaled by 1/(1 − p) (in
+/// double) or set to exactly 0, as `dropout.rule` decides for (sequence, h, q_begin + i, k_begin + j). Rows whose lse
+/// is NaN (undefined: NaN or +∞ among their visible scores) stay NaN, as the fused kernel's do; rows that see no key
+/// stay zero. Complexity O(Sq·Skv) (one Philox call per 4 weights); no allocation.
+template <class T>
+void drop_weights(const HeadDropout<T>& dropout, Index skv, AccMatrix& weights, const AccVector& lse) {
+  if (dropout.rule == nullptr || !dropout.rule->active() || skv <= 0) return;
+  for (Index i = 0; i < weights.rows(); ++i) {
+    if (std::isnan(lse(i)) || lse(i) == -std::numeric_limits<Acc>::infinity()) continue;
+    dropout.rule->apply_row(dropout.sequence, dropout.h, dropout.q_begin + i, dropout.k_begin, skv, &weights(i, 0));
+  }
+}
+
 /// One (sequence, query head) of attention: out = P·V with P from `head_weights`, in double, then rounded to T.
 ///
 /// Shapes: q Sq × D, k Skv × D, v Skv × Dv (only the first `mask.geometry.skv` rows of k and v are read),
-/// out Sq × Dv (written, never read); `lse` null or Sq entries spaced `lse_stride` apart. A V row is read
-/// only where its weight is visible: NaN or ∞ stored in a hidden value slot cannot reach the output.
+/// out Sq × Dv (written, never read); `lse` null or Sq entries spaced `lse_stride` apart. With an active `dropout`,
+/// P is dropped as `drop_weights` says before the product, and lse stays the undropped softmax's. A V row is read
+/// only where its weight is non-zero: NaN or ∞ stored in a hidden or dropped value slot cannot reach the output.
 /// Complexity O(Sq·Skv·(D + Dv)); allocates O(Sq·Skv).
 template <class T, class QDerived, class KDerived, class VDerived, class OutDerived>
 void head_attention(const Eigen::MatrixBase<QDerived>& q, const Eigen::MatrixBase<KDerived>& k,
                     const Eigen::MatrixBase<VDerived>& v, const HeadMask<T>& mask, Acc sink,
-                    const Eigen::MatrixBase<OutDerived>& out_expression, T* lse, Index lse_stride) {
+                    const Eigen::MatrixBase<OutDerived>& out_expression, T* lse, Index lse_stride,
+                    const HeadDropout<T>& dropout = HeadDropout<T>()) {
   auto& out = const_cast<Eigen::MatrixBase<OutDerived>&>(out_expression);  // Eigen's idiom for writable blocks
   const Index sq = q.rows(), skv = mask.geometry.skv;
   AccMatrix weights;
   AccVector row_lse;
   head_weights(q, k, mask, sink, weights, row_lse);
+  drop_weights(dropout, skv, weights, row_lse);
   AccMatrix values = v.topRows(skv).template cast<Acc>();
   // Value rows holding NaN or ∞ are zeroed for the product and summed separately for the rows that give them a
-  // non-zero weight (NaN weights included, so an undefined row stays undefined). Hidden weights are exactly 0, so
-  // hidden slots are never read, and a row that reads no such value gets the same product, to the bit, as if those
-  // slots held any finite number (NaN elsewhere changes no other row, not even its rounding).
+  // non-zero weight (NaN weights included, so an undefined row stays undefined). Hidden and dropped weights are
+  // exactly 0, so those slots are never read, and a row that reads no such value gets the same product, to the bit, as
+  // if those slots held any finite number (NaN elsewhere changes no other row, not even its rounding).
   std::vector<Index> bad_rows;
   for (Index j = 0; j < skv; ++j) {
     if (!values.row(j).allFinite()) bad_rows.push_back(j);

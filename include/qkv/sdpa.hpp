@@ -113,6 +113,9 @@ Matrix<Scalar> weights_packed(const char* function, const RowMajorRef<Scalar>& q
     const SequenceRows kv_rows = shape.varlen ? shape.kv_rows[s_b] : all_k;
     const HeadMask<Scalar> mask = params.head_mask(0, head, q_rows.length, shape.key_counts[s_b]);
     reference::head_weights(rows_of(q_view, 0, head, q_rows), rows_of(k_view, 0, h_kv, kv_rows), mask, sink, p, lse);
+    const reference::HeadDropout<Scalar> dropout{&params.dropout, b, head, params.dropout_q_begin,
+                                                 params.dropout_k_begin};
+    reference::drop_weights(dropout, shape.key_counts[s_b], p, lse);  // the weights P·V uses (options.dropout_p)
     weights.block(q_rows.begin, kv_rows.begin, q_rows.length, kv_rows.length) = p.template cast<Scalar>();
   }
   return weights;
@@ -172,7 +175,11 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
 
 /// The attention weights P (Tq × Tk) of one head, for inspection (seed 000 §2.4.7): row i is the softmax of
 /// query i's scores over the visible keys, exactly 0 at hidden keys; visible rows sum to 1 (1 − p_sink with
-/// `sinks`); a row that sees no key is all zeros.
+/// `sinks`); a row that sees no key is all zeros. With `options.dropout_p` > 0 they are the weights the call
+/// multiplies V by: each kept weight scaled by 1/(1 − dropout_p) (in double, then rounded), each dropped one exactly 0,
+/// the same mask as `scaled_dot_product_attention` with the same options (so out = P·V); rows then sum to 1 only in
+/// expectation. (qkv/dropout.hpp: the mask of query i, key j is DropoutRule::keep(0, head, i, j); for varlen sequence
+/// b, keep(b, head, i, j) with i, j positions in that sequence; with global positions, q_begin + i and k_begin + j.)
 ///
 /// Shapes: Q Tq × dk, K Tk × dk. Computed by the reference path in double whatever `backend` says (the fused
 /// kernel never forms P); `Backend::fused` with double throws unsupported_error as everywhere.

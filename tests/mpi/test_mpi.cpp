@@ -439,6 +439,52 @@ void run_modified(BadCall& bad, Strategy strategy, Modify modify) {
                                options);
 }
 
+TEST(RingAttention, DropoutDrawsTheMaskOfTheWholeCall) {
+  // Dropout keys its mask by (sequence, head, global query, global key): each ring block passes its global positions,
+  // so the ranks' rows equal one process's call with the same options, mask included (double, reference path).
+  qkv_test::Problem pr = qkv_test::make_problem({2, 4, 2, 37, 37, 8, 6}, 91);
+  pr.p.causal = true;
+  const qkv_test::OwnedOptions<double> o = qkv_test::from_brute<double>(pr.p);
+  qkv::AttentionOptions<double> options = o.options;
+  options.dropout_p = 0.3;
+  options.dropout_seed = 1234;
+  options.dropout_offset = 5;
+  const brute::Params& p = pr.p;
+  std::vector<double> whole_out(static_cast<std::size_t>(p.B * p.Hq * p.Sq * p.Dv)),
+      whole_lse(static_cast<std::size_t>(p.B * p.Hq * p.Sq));
+  qkv::attention<double>(qkv::TensorView4<const double>(pr.q.data(), {p.B, p.Hq, p.Sq, p.D}),
+                         qkv::TensorView4<const double>(pr.k.data(), {p.B, p.Hkv, p.Skv, p.D}),
+                         qkv::TensorView4<const double>(pr.v.data(), {p.B, p.Hkv, p.Skv, p.Dv}),
+                         qkv::TensorView4<double>(whole_out.data(), {p.B, p.Hq, p.Sq, p.Dv}),
+                         qkv::TensorView3<double>(whole_lse.data(), {p.B, p.Hq, p.Sq}), options);
+  for (ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
+    const Local local = run_distributed<double>(pr, Strategy::ring, layout, options);
+    const auto rows = qkv::mpi::shard_rows(p.Sq, rank_of_world(), size_of_world(), layout);
+    const std::vector<double> expected = gather_rows<double>(whole_out, p.B, p.Hq, p.Sq, p.Dv, rows);
+    ASSERT_EQ(local.out.size(), expected.size());
+    for (std::size_t n = 0; n < expected.size(); ++n) {
+      EXPECT_NEAR(local.out[n], expected[n], 1e-12 * std::max(1.0, std::fabs(expected[n]))) << n;
+    }
+  }
+}
+
+TEST(UlyssesAttention, DropoutThrowsOnEveryRank) {
+  BadCall bad;
+  qkv::AttentionOptions<float> options = bad.owned.options;
+  options.dropout_p = 0.25f;
+  bool threw = false;
+  try {
+    (void)run_distributed<float>(bad.pr, Strategy::ulysses, ShardLayout::contiguous, options);
+  } catch (const qkv::shape_error& e) {
+    threw = true;
+    EXPECT_NE(std::string(e.what()).find("dropout is not supported by ulysses_attention"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(threw);
+  EXPECT_EQ(count_ranks(threw), size_of_world());
+}
+
+
 TEST(BadInput, RanksDisagreeingOnAnOptionThrowOnEveryRank) {
   if (size_of_world() == 1) GTEST_SKIP() << "one rank agrees with itself";
   const int last = size_of_world() - 1;
@@ -457,6 +503,11 @@ TEST(BadInput, RanksDisagreeingOnAnOptionThrowOnEveryRank) {
         run_modified(bad, s, [&](auto& o) { o.sinks = {1, 2, 3, rank_of_world() == last ? 5.0f : 4.0f}; });
       },
       {"options.sinks[3]"});
+  expect_error_on_every_rank(
+      [&](Strategy s) {
+        run_modified(bad, s, [&](auto& o) { o.dropout_seed = rank_of_world() == last ? 7 : 8; });
+      },
+      {"the ranks disagree on options.dropout_seed"});
   expect_error_on_every_rank(
       [&](Strategy s) {
         run_modified(bad, s, [&](auto& o) {

@@ -3,11 +3,14 @@
 // test_nan_policy, test_fused, test_support and the fuzzer.
 //
 // Both directions copy every field of AttentionOptions (the backend is not a semantic field: it is an argument of
-// from_brute). Each one names the fields through a structured binding, so a field added to AttentionOptions stops the
-// build here until it is converted; test_support round-trips a value of every field.
+// from_brute), but dropout: brute::Params has none, so to_brute aborts on dropout_p ≠ 0 and from_brute leaves it 0.
+// Each one names the fields through a structured binding, so a field added to AttentionOptions stops the build here
+// until it is converted; test_support round-trips a value of every field.
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -59,8 +62,17 @@ brute::Broadcast4<D> dense_copy(const qkv::TensorView4<E>& view) {
 template <class T>
 brute::Params to_brute(const qkv::AttentionOptions<T>& options, const brute::Shape& shape) {
   const auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-               alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, backend, allowed_storage,
-               bias_storage] = options;
+               alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed,
+               dropout_offset, backend, allowed_storage, bias_storage] = options;
+  // The brute force has no dropout (test_dropout checks it with loops of its own): a call with dropout has no
+  // brute::Params, and converting one would silently compare against the undropped attention.
+  if (dropout_p != T(0)) {
+    std::fprintf(stderr, "qkv_test::to_brute: options.dropout_p is %g; brute::Params has no dropout\n",
+                 static_cast<double>(dropout_p));
+    std::abort();
+  }
+  (void)dropout_seed;  // only meaningful with dropout_p > 0
+  (void)dropout_offset;
   (void)backend;          // not a semantic field
   (void)allowed_storage;  // not semantic either: what keeps `allowed` and `bias` alive; their values are copied
   (void)bias_storage;
@@ -93,8 +105,12 @@ template <class T>
 OwnedOptions<T> from_brute(const brute::Params& p, qkv::Backend backend = qkv::Backend::automatic) {
   OwnedOptions<T> owned;
   auto& [scale, softcap, causal, alignment, window_left, window_right, global_tokens, key_lengths, allowed, bias,
-         alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, backend_field, allowed_storage,
-         bias_storage] = owned.options;
+         alibi_slopes, sinks, global_positions, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed, dropout_offset,
+         backend_field, allowed_storage, bias_storage] = owned.options;
+  // No dropout (to_brute rejects it): the defaults, dropout_p = 0.
+  (void)dropout_p;
+  (void)dropout_seed;
+  (void)dropout_offset;
   // The dense copies live in `owned` (its views stay valid when it moves); the options' own storage stays null, so
   // that copying `owned.options` out of `owned` is the caller's visible choice (see OwnedOptions).
   allowed_storage = nullptr;

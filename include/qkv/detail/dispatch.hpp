@@ -38,6 +38,7 @@
 #define QKV_PASS_NAME kernel_scalar
 #define QKV_PASS_TAG ::qkv::simd::ScalarTag
 #include "qkv/detail/fused_attention.hpp"
+#include "qkv/detail/fused_backward.hpp"
 #undef QKV_PASS_NAME
 #undef QKV_PASS_TAG
 #ifdef QKV_PASS_TOGGLE
@@ -52,6 +53,7 @@
 #define QKV_PASS_TAG ::qkv::simd::Avx2Tag
 QKV_BEGIN_TARGET_AVX2
 #include "qkv/detail/fused_attention.hpp"
+#include "qkv/detail/fused_backward.hpp"
 QKV_END_TARGET
 #undef QKV_PASS_NAME
 #undef QKV_PASS_TAG
@@ -72,6 +74,7 @@ QKV_END_TARGET
 #define QKV_PASS_TAG ::qkv::simd::Avx512Tag
 QKV_BEGIN_TARGET_AVX512
 #include "qkv/detail/fused_attention.hpp"
+#include "qkv/detail/fused_backward.hpp"
 QKV_END_TARGET
 #undef QKV_PASS_NAME
 #undef QKV_PASS_TAG
@@ -93,12 +96,15 @@ inline namespace QKV_ISA_NAME {
 // side by side (a copy the CPU cannot run must not be called: cpu_supports(Tag::kIsa)).
 #if defined(QKV_KERNEL_SCALAR)
 using kernel_scalar::run_fused_as;
+using kernel_scalar::run_fused_backward_as;
 #endif
 #if defined(QKV_KERNEL_AVX2)
 using kernel_avx2::run_fused_as;
+using kernel_avx2::run_fused_backward_as;
 #endif
 #if defined(QKV_KERNEL_AVX512)
 using kernel_avx512::run_fused_as;
+using kernel_avx512::run_fused_backward_as;
 #endif
 
 /// The fused kernel over validated views and resolved parameters, on the instruction set isa.hpp chose; K and V
@@ -123,6 +129,34 @@ void run_fused(const AttentionShape& shape, const TensorView4<const float>& q, c
   }
 #if defined(QKV_KERNEL_SCALAR)
   run_fused_as(simd::ScalarTag(), shape, q, k, v, out, lse, params);
+#endif
+}
+
+/// The fused backward (fused_backward.hpp) over validated views and resolved parameters, on the instruction set
+/// isa.hpp chose: writes d_q, d_k and d_v entirely (zeros where no gradient); d_sinks and d_bias are the entry
+/// point's (backward.hpp).
+inline void run_fused_backward(const AttentionShape& shape, const TensorView4<const float>& q,
+                               const TensorView4<const float>& k, const TensorView4<const float>& v,
+                               const TensorView4<const float>& out, const TensorView3<const float>& lse,
+                               const TensorView4<const float>& d_out, const TensorView4<float>& d_q,
+                               const TensorView4<float>& d_k, const TensorView4<float>& d_v,
+                               const AttentionParams<float>& params) {
+  switch (active_isa()) {
+#if defined(QKV_KERNEL_AVX512)
+    case Isa::avx512:
+      run_fused_backward_as(simd::Avx512Tag(), shape, q, k, v, out, lse, d_out, d_q, d_k, d_v, params);
+      return;
+#endif
+#if defined(QKV_KERNEL_AVX2)
+    case Isa::avx2:
+      run_fused_backward_as(simd::Avx2Tag(), shape, q, k, v, out, lse, d_out, d_q, d_k, d_v, params);
+      return;
+#endif
+    default:
+      break;
+  }
+#if defined(QKV_KERNEL_SCALAR)
+  run_fused_backward_as(simd::ScalarTag(), shape, q, k, v, out, lse, d_out, d_q, d_k, d_v, params);
 #endif
 }
 

@@ -11,6 +11,7 @@
 //       prefill (Sq·G > kDecodeRows), per strip of kStrip block rows:                     prefill_kernels.hpp
 //         acc_s = Q_strip · K_tileᵀ (packed panels); scores finished and masked           score_tile.hpp
 //         row_max, row_sum updated, acc_o rescaled only when a row's max rose             online_softmax.hpp
+//         P dropped and rescaled by 1/(1 − p) where the call asks for dropout             dropout.hpp
 //         acc_o += P · V_tile (packed chunks, or zero weights skipped where V holds NaN/∞)   hidden_values.hpp
 //       decoding: the same steps over blocks of kDecodeKeys keys, K and V read in place     decode_kernels.hpp
 //         (token-major K and V: one task serves several kv heads, so it reads whole key rows)
@@ -26,7 +27,10 @@
 // Exactness rules kept here (docs/design.md): hidden keys are selected away (−∞ before exp), never multiplied by
 // zero; a row with NaN or +∞ among its visible scores is NaN; empty rows give zeros and lse −∞; sinks join the
 // denominator at the end as a state with output 0 and lse = the sink logit; a prefill task whose scores could
-// overflow in base 2 runs again in base e.
+// overflow in base 2 runs again in base e. Dropout acts on the weights after the softmax step (row_sum, and so lse,
+// stay undropped) and before P·V; its mask is a function of (sequence, query head, position in the sequence of the
+// query and of the key) alone, never of the tile, task or thread, and a dropped weight is a zero weight: its V slot
+// is skipped like a hidden one where V may hold NaN or ∞.
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
@@ -231,6 +235,7 @@ class FusedAttention {
     }
     const MaskGeometry& geometry = s.masks[0].geometry;
     const bool data_mask = s.masks[0].has_data_mask();
+    const bool dropout = params_.dropout.active();
     const BlockRows block{s.masks.data(), rows, t.i_begin};
     const float* packed_k = packed_.keys(t.sequence, t.h_kv);
     const float* packed_v = packed_.values(t.sequence, t.h_kv);
@@ -271,8 +276,11 @@ class FusedAttention {
           }
           for (Index rr = 0; rr < kR; ++rr) softmax.update(r0 + rr, s_strip + rr * ldS, first, n);
           if (Dv == 0) return;
-          // Where some key may be hidden, zero weights meet V: safe only if the tile's values are finite.
-          const bool may_hide = index_mask || data_mask;
+          if (dropout) {
+            for (Index rr = 0; rr < kR; ++rr) drop_row(t, r0 + rr, j0 + first, n - first, s_strip + rr * ldS + first);
+          }
+          // Where some key may be hidden or dropped, zero weights meet V: safe only if the tile's values are finite.
+          const bool may_hide = index_mask || data_mask || dropout;
           if (may_hide && v_finite < 0) v_finite = all_finite<Tag>(v_tile, j1 - j0, Dv, ldv) ? 1 : 0;
           if (!may_hide || v_finite == 1) {
             pv_strip<Tag, kR>(s_strip + first, ldS, packed_v + (j0 + first) * kChunk, skv * kChunk, n - first,
@@ -313,6 +321,7 @@ class FusedAttention {
     const KeyRange range = begin_task(t, s, softmax);
     const MaskGeometry& geometry = s.masks[0].geometry;
     const bool data_mask = s.masks[0].has_data_mask();
+    const bool dropout = params_.dropout.active();
     const BlockRows block_rows{s.masks.data(), rows, t.i_begin};
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
@@ -346,9 +355,12 @@ class FusedAttention {
       for (Index r = 0; r < M; ++r) softmax.update(r, acc_s + r * ldS, 0, n);
 
       if (Dv == 0) continue;
+      if (dropout) {
+        for (Index r = 0; r < M; ++r) drop_row(t, r, j0, n, acc_s + r * ldS);
+      }
       const S* v_tile = &v_(vb, t.h_kv, kv_row0 + j0, 0);
-      bool finite = true;  // whether zero weights may meet V: only where no key can be hidden, or V is finite
-      if (index_mask || data_mask) {
+      bool finite = true;  // whether zero weights may meet V: only where no key is hidden or dropped, or V is finite
+      if (index_mask || data_mask || dropout) {
         for (Index hk = 0; hk < t.n_kv && finite; ++hk) finite = all_finite<Tag>(v_tile + hk * v_.stride(1), n, Dv, ldv);
       }
       if (finite) {
@@ -376,6 +388,15 @@ class FusedAttention {
       }
     }
     finish_rows(t, softmax);
+  }
+
+  /// Dropout on block row r of task t (query head h_kv·G + r / rows, query i_begin + r % rows of its sequence): the
+  /// weights of keys j0 … j0 + n − 1 of the sequence, in place (dropout.hpp, DropoutRule::apply_row), keyed on the
+  /// positions in the sequence (global ones with global positions), never on the tile, task or thread.
+  void drop_row(const FusedTask& t, Index r, Index j0, Index n, float* weights) const noexcept {
+    const Index rows = t.i_end - t.i_begin;
+    params_.dropout.apply_row(t.sequence, t.h_kv * G_ + r / rows, params_.dropout_q_begin + t.i_begin + r % rows,
+                              params_.dropout_k_begin + j0, n, weights);
   }
 
   /// The end of a task: every row's (out, lse), to the output or to the task's split-K slot.

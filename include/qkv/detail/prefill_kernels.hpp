@@ -29,13 +29,14 @@ inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// c[r][0 .. kVectors·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. kVectors·lanes) for R rows
-/// (R ≤ kStrip), n steps of k: the prefill micro-kernel. R × kVectors accumulators stay in registers; each step loads
+/// (R ≤ kStrip), n steps of k, with a[r][k] at a[r·lda + k·a_step] (a_step = 1 for a row-major a; the backward passes
+/// a transposed block, lda = 1: a is only ever broadcast, so its layout costs nothing): the prefill micro-kernel. R × kVectors accumulators stay in registers; each step loads
 /// kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is this over a packed key panel (qk_panel) and P·V over a
 /// packed value chunk (pv_chunk). Kept apart from the tail kernel below: with both in one function clang spilled an
 /// accumulator of the full-width loop to the stack.
 template <class Tag, int R, bool kAccumulate>
-inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c,
-                              Index ldc) noexcept {
+inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c, Index ldc,
+                              Index a_step = 1) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   constexpr int NV = FusedTiles<Tag>::kVectors;
@@ -47,7 +48,7 @@ inline void strip_times_panel(const float* a, Index lda, const float* b, Index l
     typename Tag::Vec bv[NV];
     QKV_UNROLL for (int v = 0; v < NV; ++v) bv[v] = load(Tag(), b + k * ldb + v * L);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
-      const auto ab = set1(Tag(), a[r * lda + k]);
+      const auto ab = set1(Tag(), a[r * lda + k * a_step]);
       QKV_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(ab, bv[v], acc[r][v]);
     }
   }
@@ -62,17 +63,19 @@ inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, flo
   strip_times_panel<Tag, R, false>(q, ldq, panel, FusedTiles<Tag>::kPanel, D, s, lds);
 }
 
-/// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk.
+/// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk (p[r][j] at
+/// p[r·ldp + j·p_step]).
 template <class Tag, int R>
-inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo) noexcept {
-  strip_times_panel<Tag, R, true>(p, ldp, v, ldv, keys, o, ldo);
+inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                     Index p_step = 1) noexcept {
+  strip_times_panel<Tag, R, true>(p, ldp, v, ldv, keys, o, ldo, p_step);
 }
 
 /// pv_chunk for the last `width` < kChunk columns of Dv: masked loads and stores (vector v covers columns
 /// [v·lanes, v·lanes + n_v), n_v possibly 0), nothing past the row is touched.
 template <class Tag, int R>
 inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
-                          int width) noexcept {
+                          int width, Index p_step = 1) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   constexpr int NV = FusedTiles<Tag>::kVectors;
@@ -86,7 +89,7 @@ inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, 
     typename Tag::Vec vv[NV];
     QKV_UNROLL for (int u = 0; u < NV; ++u) vv[u] = load_partial(Tag(), v + j * ldv + u * L, count[u]);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
-      const auto pb = set1(Tag(), p[r * ldp + j]);
+      const auto pb = set1(Tag(), p[r * ldp + j * p_step]);
       QKV_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = fmadd(pb, vv[u], acc[r][u]);
     }
   }
@@ -97,17 +100,18 @@ inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, 
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
 /// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of kChunk
-/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail.
+/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail. p[r][j] at p[r·ldp + j·p_step]
+/// (the backward's Pᵀ and dSᵀ are read in place from P and dS: ldp = 1, p_step = their row stride).
 template <class Tag, int R>
 inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
-                     Index Dv) noexcept {
+                     Index Dv, Index p_step = 1) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
   const Index full = Dv / kChunk * kChunk;
   for (Index c = 0; c < full; c += kChunk)
-    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
+    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo, p_step);
   if (full < Dv) {
     pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
-                          static_cast<int>(Dv - full));
+                          static_cast<int>(Dv - full), p_step);
   }
 }
 

@@ -272,6 +272,10 @@ AttentionShape validate(const char* function, const TensorView4<const T>& q, con
     }
   }
 
+  // Dropout (options.hpp, dropout.hpp): a probability; NaN fails both comparisons.
+  check_shape(options.dropout_p >= T(0) && options.dropout_p <= T(1), function, ": options.dropout_p is ",
+              options.dropout_p, ", expected a probability in [0, 1]");
+
   // Global positions: the call's rows are a shard of a longer sequence (options.hpp, GlobalPositions).
   Index key_length_bound = Skv;  // key lengths are counted in the view's keys, or in the global ones
   Index k_begin = 0;

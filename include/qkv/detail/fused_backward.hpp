@@ -1,0 +1,419 @@
+// qkv/detail/fused_backward.hpp — the fused backward kernel: FlashAttention-2's backward loop on the CPU, in float.
+//
+// The public entry point is qkv::attention_backward (backward.hpp), which validates the call, resolves its parameters
+// and computes d_sinks before it gets here. Given the forward's out and lse (natural log) and d_out, per task
+// (sequence b, kv head h_kv), which owns d_k and d_v of its kv head and d_q of its G query heads:
+//
+//   pack K as Kᵀ panels and as column chunks, Vᵀ as panels, Q and dO of the G heads as column chunks    pack.hpp
+//   D_i = rowsum(dO_i ∘ O_i)
+//   for each key tile [j0, j1) of kBlockKeys keys inside MaskGeometry::key_range               mask.hpp
+//     dK_tile = dV_tile = 0
+//     for each query head g of the group, each query block [i0, i1) of kBlockRows rows, hidden blocks skipped
+//       S  = Q_blk · K_tileᵀ            P  = exp(finish(S) − lse) on the visible keys, 0 elsewhere (selected)
+//       dP = dO_blk · V_tileᵀ           with dropout: P̃ = Z ∘ P, dP ← Z ∘ dP (Z = keep / (1 − p))
+//       dS = P ∘ (dP − D_i) · softcap′ · scale
+//       dV_tile += P̃ᵀ · dO_blk          dK_tile += dSᵀ · Q_blk          dQ_blk += dS · K_tile
+//     d_k, d_v rows [j0, j1) ← dK_tile, dV_tile
+//   d_q rows ← dQ
+//
+// All five products run on the forward's prefill micro-kernel (prefill_kernels.hpp: a strip of ≤ kStrip rows times
+// packed panels or chunks, accumulators in registers): S and dP as qk_panel over Kᵀ and Vᵀ panels, the three others
+// as pv_strip over chunks of Q, dO and K, Pᵀ and dSᵀ read in place (the micro-kernel only broadcasts its left operand). Per block: 5·R·n·D multiply-adds
+// (D = Dv), against the forward's 2 — FlashAttention-2's backward is 2–2.5 times its forward for the same reason.
+//
+// Memory: per thread the task's packed K (twice), Vᵀ, Q and dO (O((Skv + G·Sq)·D) floats), dQ of the task (G·Sq × D),
+// and tiles of kBlockRows × kBlockKeys: nothing of size Sq × Skv. Threads share the tasks; each task writes only its
+// own rows of d_q, d_k and d_v, so the result is bit-identical for any thread count.
+//
+// Exactness (docs/design.md, "Backward pass"): hidden keys are selected away (P = 0, dS = 0), never read into the
+// arithmetic, and get exactly zero gradient; a row that sees no key (lse = −∞) contributes nothing. A task whose inputs
+// (q, k, v, out, d_out of its heads) are all finite takes the vector path, where a zero weight times a finite value is
+// an exact 0; a task with a NaN or ∞ anywhere takes the exact path, which skips every term whose coefficient is 0
+// (hidden, dropped, or an exactly zero weight), so a NaN reaches only the gradients that depend on it.
+//
+// Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
+// guard below, Highway's toggle, lets each pass in once).
+#ifndef QKV_PASS_NAME
+#error "qkv/detail/fused_backward.hpp is part of the fused kernel: include qkv/detail/dispatch.hpp"
+#endif
+#if defined(QKV_DETAIL_FUSED_BACKWARD_HPP) == defined(QKV_PASS_TOGGLE)
+#ifdef QKV_DETAIL_FUSED_BACKWARD_HPP
+#undef QKV_DETAIL_FUSED_BACKWARD_HPP
+#else
+#define QKV_DETAIL_FUSED_BACKWARD_HPP
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <vector>
+
+#include "qkv/config.hpp"
+#include "qkv/detail/aligned_buffer.hpp"
+#include "qkv/detail/attention_params.hpp"
+#include "qkv/detail/attention_shape.hpp"
+#include "qkv/detail/fused_tiles.hpp"
+#include "qkv/detail/hidden_values.hpp"
+#include "qkv/detail/pack.hpp"
+#include "qkv/detail/prefill_kernels.hpp"
+#include "qkv/detail/threads.hpp"
+#include "qkv/mask.hpp"
+#include "qkv/simd/simd.hpp"
+#include "qkv/tensor_view.hpp"
+
+namespace qkv {
+namespace detail {
+inline namespace QKV_ISA_NAME {
+namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
+
+/// Tile sizes of the fused backward: key tiles of kBlockKeys (a multiple of every kPanel: 16 keys on AVX2, 64 on
+/// AVX-512) and query blocks of kBlockRows rows. A block's five R × n buffers (S/P, dP/dS, P̃, and the transposes)
+/// are 16 KiB each at 64 × 64, and dK_tile, dV_tile 32 KiB each at D = 128: the block's working set stays in L2.
+template <class Tag>
+struct BackwardTiles {
+  static constexpr int kPanel = FusedTiles<Tag>::kPanel;
+  static constexpr int kChunk = FusedTiles<Tag>::kChunk;
+  static constexpr int kStrip = FusedTiles<Tag>::kStrip;
+  static constexpr Index kBlockKeys = 64;
+  static constexpr Index kBlockRows = 64;
+  static_assert(kBlockKeys % kPanel == 0, "qkv: kBlockKeys must be a multiple of the panel width");
+};
+
+/// Per-thread scratch of the fused backward: sized once per call for the largest task, reused by every task.
+struct BackwardScratch {
+  AlignedBuffer k_panels, k_chunks, v_panels, q_chunks, do_chunks;  ///< the task's packed operands
+  AlignedBuffer delta, dq;                                           ///< D_i and dQ of the task's G·Sq rows
+  AlignedBuffer s, dp, p_kept, pt, dst, factor, dk, dv;              ///< one block's buffers (P̃ with dropout; the transposes on the exact path) and the key tile's
+  std::vector<HeadMask<float>> masks;                                ///< the task's G head masks
+};
+
+/// The fused backward for one call in float, over validated views and resolved parameters.
+template <class Tag>
+class FusedBackward {
+ public:
+  using Tiles = BackwardTiles<Tag>;
+  static constexpr int kPanel = Tiles::kPanel;
+  static constexpr int kChunk = Tiles::kChunk;
+  static constexpr int kStrip = Tiles::kStrip;
+  static constexpr Index kBlockKeys = Tiles::kBlockKeys;
+  static constexpr Index kBlockRows = Tiles::kBlockRows;
+
+  FusedBackward(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const float>& k,
+                const TensorView4<const float>& v, const TensorView4<const float>& out,
+                const TensorView3<const float>& lse, const TensorView4<const float>& d_out,
+                const TensorView4<float>& d_q, const TensorView4<float>& d_k, const TensorView4<float>& d_v,
+                const AttentionParams<float>& params)
+      : shape_(shape), q_(q), k_(k), v_(v), out_(out), lse_(lse), d_out_(d_out), d_q_(d_q), d_k_(d_k), d_v_(d_v),
+        params_(params) {}
+
+  /// Runs every (sequence, kv head) task; with OpenMP, threads share the tasks. The result does not depend on the
+  /// thread count.
+  void run() const {
+    const Index n_tasks = shape_.n_sequences * shape_.Hkv;
+    Index work = 0, max_sq = 0, max_skv = 0;
+    for (Index b = 0; b < shape_.n_sequences; ++b) {
+      const std::size_t seq = static_cast<std::size_t>(b);
+      const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
+      work += sq * skv * shape_.Hq * (shape_.D + shape_.Dv);
+      max_sq = std::max(max_sq, sq);
+      max_skv = std::max(max_skv, skv);
+    }
+    const bool parallel = n_tasks > 1 && work > (Index(1) << 20) && may_open_team();
+#if defined(_OPENMP)
+#pragma omp parallel if (parallel)
+#else
+    (void)parallel;
+#endif
+    {
+      observe_team();
+      BackwardScratch scratch;
+      allocate(scratch, max_sq, max_skv);
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (Index task = 0; task < n_tasks; ++task) run_task(task / shape_.Hkv, task % shape_.Hkv, scratch);
+    }
+  }
+
+ private:
+  static Index round_up(Index n, Index m) noexcept { return (n + m - 1) / m * m; }
+
+  void allocate(BackwardScratch& s, Index max_sq, Index max_skv) const {
+    const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group, rows = G * max_sq;
+    const auto floats = [](Index n) { return static_cast<std::size_t>(std::max<Index>(1, n)); };
+    s.k_panels.resize(floats(round_up(max_skv, kPanel) * D));
+    s.k_chunks.resize(floats(round_up(D, kChunk) * max_skv));
+    s.v_panels.resize(floats(round_up(max_skv, kPanel) * Dv));
+    s.q_chunks.resize(floats(rows * round_up(D, kChunk)));
+    s.do_chunks.resize(floats(rows * round_up(Dv, kChunk)));
+    s.delta.resize(floats(rows));
+    s.dq.resize(floats(rows * D));
+    const std::size_t block = floats(kBlockRows * kBlockKeys);
+    s.s.resize(block);
+    s.dp.resize(block);
+    s.p_kept.resize(block);
+    s.pt.resize(block);
+    s.dst.resize(block);
+    s.factor.resize(block);
+    s.dk.resize(floats(kBlockKeys * D));
+    s.dv.resize(floats(kBlockKeys * Dv));
+    s.masks.resize(static_cast<std::size_t>(std::max<Index>(1, G)));
+  }
+
+  /// Whether every input the task reads is finite: q, out and d_out of its G heads, k and v of its visible keys,
+  /// and no lse is NaN or +∞ (−∞ marks a row that sees no key).
+  bool task_is_finite(Index vb, Index h_kv, Index q_row0, Index sq, Index kv_row0, Index skv) const noexcept {
+    const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group;
+    if (skv > 0 && !all_finite<Tag>(&k_(vb, h_kv, kv_row0, 0), skv, D, k_.stride(2))) return false;
+    if (skv > 0 && Dv > 0 && !all_finite<Tag>(&v_(vb, h_kv, kv_row0, 0), skv, Dv, v_.stride(2))) return false;
+    for (Index g = 0; g < G; ++g) {
+      const Index h = h_kv * G + g;
+      if (!all_finite<Tag>(&q_(vb, h, q_row0, 0), sq, D, q_.stride(2))) return false;
+      if (Dv > 0 && !all_finite<Tag>(&out_(vb, h, q_row0, 0), sq, Dv, out_.stride(2))) return false;
+      if (Dv > 0 && !all_finite<Tag>(&d_out_(vb, h, q_row0, 0), sq, Dv, d_out_.stride(2))) return false;
+      for (Index i = 0; i < sq; ++i) {
+        const float l = lse_(vb, h, q_row0 + i);
+        if (std::isnan(l) || l == std::numeric_limits<float>::infinity()) return false;
+      }
+    }
+    return true;
+  }
+
+  /// One task: sequence b, kv head h_kv.
+  void run_task(Index b, Index h_kv, BackwardScratch& s) const {
+    const std::size_t seq = static_cast<std::size_t>(b);
+    const Index vb = shape_.view_batch(b), G = shape_.group, D = shape_.D, Dv = shape_.Dv;
+    const Index q_row0 = shape_.q_rows[seq].begin, sq = shape_.q_rows[seq].length;
+    const Index kv_row0 = shape_.kv_rows[seq].begin, kv_rows = shape_.kv_rows[seq].length;
+    const Index skv = shape_.key_counts[seq];
+    // Every key of the sequence starts at zero gradient (padding and keys no query sees keep it).
+    for (Index j = 0; j < kv_rows; ++j) {
+      std::fill_n(&d_k_(vb, h_kv, kv_row0 + j, 0), D, 0.0f);
+      if (Dv > 0) std::fill_n(&d_v_(vb, h_kv, kv_row0 + j, 0), Dv, 0.0f);
+    }
+    if (sq == 0) return;
+    float* dq = s.dq.data();
+    std::fill_n(dq, G * sq * D, 0.0f);
+    if (skv > 0) {
+      for (Index g = 0; g < G; ++g) s.masks[static_cast<std::size_t>(g)] = params_.head_mask(vb, h_kv * G + g, sq, skv);
+      const bool exact = !task_is_finite(vb, h_kv, q_row0, sq, kv_row0, skv);
+      pack_task(vb, h_kv, q_row0, sq, kv_row0, skv, s);
+      const MaskGeometry& geometry = s.masks[0].geometry;
+      const KeyRange range = geometry.key_range(0, sq);
+      for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += kBlockKeys) {
+        const Index j1 = std::min(j0 + kBlockKeys, range.end), n = j1 - j0;
+        std::fill_n(s.dk.data(), n * D, 0.0f);
+        std::fill_n(s.dv.data(), n * Dv, 0.0f);
+        bool touched = false;
+        for (Index g = 0; g < G; ++g) {
+          for (Index i0 = 0; i0 < sq; i0 += kBlockRows) {
+            const Index i1 = std::min(i0 + kBlockRows, sq);
+            const TileVisibility visibility = geometry.classify(i0, i1, j0, j1);
+            if (visibility == TileVisibility::hidden) continue;
+            run_block(b, vb, h_kv, g, q_row0, sq, i0, i1, j0, n, skv, visibility, exact, s);
+            touched = true;
+          }
+        }
+        if (!touched) continue;
+        for (Index j = 0; j < n; ++j) {
+          std::copy_n(s.dk.data() + j * D, D, &d_k_(vb, h_kv, kv_row0 + j0 + j, 0));
+          if (Dv > 0) std::copy_n(s.dv.data() + j * Dv, Dv, &d_v_(vb, h_kv, kv_row0 + j0 + j, 0));
+        }
+      }
+    }
+    for (Index g = 0; g < G; ++g) {
+      for (Index i = 0; i < sq; ++i) std::copy_n(dq + (g * sq + i) * D, D, &d_q_(vb, h_kv * G + g, q_row0 + i, 0));
+    }
+  }
+
+  /// Packs the task's operands (pack.hpp): Kᵀ and Vᵀ panels for S and dP, K, Q and dO as column chunks for the
+  /// three products that accumulate, and D_i = rowsum(dO_i ∘ O_i) (accumulated in double, rounded once).
+  void pack_task(Index vb, Index h_kv, Index q_row0, Index sq, Index kv_row0, Index skv, BackwardScratch& s) const {
+    const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group;
+    const float* k = &k_(vb, h_kv, kv_row0, 0);
+    pack_keys<Tag>(k, k_.stride(2), skv, D, s.k_panels.data(), nullptr);
+    pack_values<Tag>(k, k_.stride(2), skv, D, s.k_chunks.data(), nullptr);
+    if (Dv > 0) pack_keys<Tag>(&v_(vb, h_kv, kv_row0, 0), v_.stride(2), skv, Dv, s.v_panels.data(), nullptr);
+    const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
+    for (Index g = 0; g < G; ++g) {
+      const Index h = h_kv * G + g;
+      pack_values<Tag>(&q_(vb, h, q_row0, 0), q_.stride(2), sq, D, s.q_chunks.data() + g * q_area, nullptr);
+      if (Dv > 0) {
+        pack_values<Tag>(&d_out_(vb, h, q_row0, 0), d_out_.stride(2), sq, Dv, s.do_chunks.data() + g * do_area,
+                         nullptr);
+      }
+      for (Index i = 0; i < sq; ++i) {
+        double sum = 0.0;
+        if (Dv > 0) {
+          const float* o = &out_(vb, h, q_row0 + i, 0);
+          const float* d_o = &d_out_(vb, h, q_row0 + i, 0);
+          for (Index d = 0; d < Dv; ++d) sum += static_cast<double>(o[d]) * static_cast<double>(d_o[d]);
+        }
+        s.delta.data()[g * sq + i] = static_cast<float>(sum);
+      }
+    }
+  }
+
+  /// One (query block, key tile) of query head g: the seven steps of the comment at the top of this file.
+  void run_block(Index b, Index vb, Index h_kv, Index g, Index q_row0, Index sq, Index i0, Index i1, Index j0, Index n,
+                 Index skv, TileVisibility visibility, bool exact, BackwardScratch& s) const {
+    using namespace simd;
+    constexpr int L = Tag::kLanes;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group, h = h_kv * G + g, R = i1 - i0;
+    const HeadMask<float>& mask = s.masks[static_cast<std::size_t>(g)];
+    const float scale = params_.rules.scale, softcap = params_.rules.softcap;
+    const bool dropout = params_.dropout.active();
+    const Index ld = kBlockKeys, ldt = kBlockRows;  // row strides of the R × n buffers and of the n × R transposes
+    float* S = s.s.data();         // scores, then P
+    float* dP = s.dp.data();       // dO·Vᵀ, then dS
+    float* P_kept = s.p_kept.data();  // P with dropout applied (P itself without dropout)
+    float* factor = s.factor.data();  // softcap′ per (i, j)
+    const float* q_rows = &q_(vb, h, q_row0 + i0, 0);
+    const float* do_rows = Dv > 0 ? &d_out_(vb, h, q_row0 + i0, 0) : nullptr;
+    const float* delta = s.delta.data() + g * sq + i0;
+    float* dq = s.dq.data() + (g * sq + i0) * D;
+    const Index panels = (n + kPanel - 1) / kPanel;
+
+    // S = Q_blk · K_tileᵀ and dP = dO_blk · V_tileᵀ over the packed panels.
+    for (Index r0 = 0; r0 < R; r0 += kStrip) {
+      dispatch_rows(std::min<Index>(kStrip, R - r0), [&](auto rows_constant) {
+        constexpr int kR = decltype(rows_constant)::value;
+        for (Index p = 0; p < panels; ++p) {
+          qk_panel<Tag, kR>(q_rows + r0 * q_.stride(2), q_.stride(2), s.k_panels.data() + (j0 / kPanel + p) * D * kPanel,
+                            D, S + r0 * ld + p * kPanel, ld);
+          if (Dv > 0) {
+            qk_panel<Tag, kR>(do_rows + r0 * d_out_.stride(2), d_out_.stride(2),
+                              s.v_panels.data() + (j0 / kPanel + p) * Dv * kPanel, Dv, dP + r0 * ld + p * kPanel, ld);
+          }
+        }
+      });
+    }
+    if (Dv == 0) {
+      for (Index r = 0; r < R; ++r) std::fill_n(dP + r * ld, n, 0.0f);
+    }
+
+    // P = exp(s − lse) on the visible keys (0 elsewhere, selected), and dS = P ∘ (dP − D_i) · softcap′ · scale.
+    const bool plain = visibility == TileVisibility::full && !mask.has_data_mask() && !mask.modifies_scores();
+    const Index full = n / L * L;
+    for (Index r = 0; r < R; ++r) {
+      const Index i = i0 + r;
+      const float lse = lse_(vb, h, q_row0 + i);
+      float* p_row = S + r * ld;
+      float* ds_row = dP + r * ld;
+      float* factor_row = factor + r * ld;
+      if (lse == kNegInf) {  // the row sees no key: no weight, no gradient
+        std::fill_n(p_row, n, 0.0f);
+        std::fill_n(ds_row, n, 0.0f);
+        if (dropout) std::fill_n(P_kept + r * ld, n, 0.0f);
+        continue;
+      }
+      if (plain) {
+        const auto scale_vector = set1(Tag(), scale), lse_vector = set1(Tag(), lse);
+        for (Index j = 0; j < full; j += L) {
+          store(Tag(), p_row + j, exp(Tag(), sub(mul(load(Tag(), p_row + j), scale_vector), lse_vector)));
+        }
+        for (Index j = full; j < n; ++j) p_row[j] = std::exp(p_row[j] * scale - lse);
+      } else {
+        for (Index j = 0; j < n; ++j) {
+          factor_row[j] = 1.0f;
+          if (j0 + j >= skv || !mask.visible(i, j0 + j)) {
+            p_row[j] = 0.0f;
+            continue;
+          }
+          const float scaled = p_row[j] * scale;
+          if (softcap > 0.0f) {
+            const float t = std::tanh(scaled / softcap);
+            factor_row[j] = 1.0f - t * t;
+          }
+          const float score = mask.finish(scaled, i, j0 + j);
+          p_row[j] = score == kNegInf ? 0.0f : std::exp(score - lse);
+        }
+      }
+      if (dropout) {  // P̃ = Z ∘ P for dV; dP ← Z ∘ dP (the same mask as the forward's: dropout.hpp)
+        std::copy_n(p_row, n, P_kept + r * ld);
+        params_.dropout.apply_row(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n, P_kept + r * ld);
+        params_.dropout.apply_row(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n, ds_row);
+      }
+      const float d_i = delta[r];
+      if (exact) {
+        for (Index j = 0; j < n; ++j) {
+          const float f = plain ? 1.0f : factor_row[j];
+          ds_row[j] = p_row[j] == 0.0f ? 0.0f : p_row[j] * (ds_row[j] - d_i) * f * scale;
+        }
+      } else if (plain) {
+        const auto scale_vector = set1(Tag(), scale), d_vector = set1(Tag(), d_i);
+        for (Index j = 0; j < full; j += L) {
+          const auto p = load(Tag(), p_row + j);
+          store(Tag(), ds_row + j, mul(mul(p, sub(load(Tag(), ds_row + j), d_vector)), scale_vector));
+        }
+        for (Index j = full; j < n; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
+      } else {
+        for (Index j = 0; j < n; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * factor_row[j] * scale;
+      }
+    }
+    const float* P_used = dropout ? P_kept : S;
+
+    const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
+    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * kChunk;
+    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * kChunk;
+    const float* k_chunks = s.k_chunks.data() + j0 * kChunk;
+    if (!exact) {
+      // dV_tile += P̃ᵀ · dO_blk and dK_tile += dSᵀ · Q_blk, kStrip keys at a time; dQ_blk += dS · K_tile.
+      for (Index r0 = 0; r0 < n; r0 += kStrip) {
+        dispatch_rows(std::min<Index>(kStrip, n - r0), [&](auto rows_constant) {
+          constexpr int kR = decltype(rows_constant)::value;
+          if (Dv > 0) pv_strip<Tag, kR>(P_used + r0, 1, do_chunks, sq * kChunk, R, s.dv.data() + r0 * Dv, Dv, Dv, ld);
+          pv_strip<Tag, kR>(dP + r0, 1, q_chunks, sq * kChunk, R, s.dk.data() + r0 * D, D, D, ld);
+        });
+      }
+      for (Index r0 = 0; r0 < R; r0 += kStrip) {
+        dispatch_rows(std::min<Index>(kStrip, R - r0), [&](auto rows_constant) {
+          constexpr int kR = decltype(rows_constant)::value;
+          pv_strip<Tag, kR>(dP + r0 * ld, ld, k_chunks, skv * kChunk, n, dq + r0 * D, D, D);
+        });
+      }
+    } else {
+      // The exact path: every term whose coefficient is 0 is skipped, so a NaN or ∞ in q, k, v or d_out reaches only
+      // the gradients that depend on it (hidden_values.hpp).
+      // Pᵀ and dSᵀ (n × R) for the skipping loops.
+      float* PT = s.pt.data();
+      float* dST = s.dst.data();
+      for (Index r = 0; r < R; ++r) {
+        for (Index j = 0; j < n; ++j) {
+          PT[j * ldt + r] = P_used[r * ld + j];
+          dST[j * ldt + r] = dP[r * ld + j];
+        }
+      }
+      if (Dv > 0) pv_skip_zero_weights(PT, ldt, do_rows, d_out_.stride(2), R, s.dv.data(), Dv, Dv, n);
+      pv_skip_zero_weights(dST, ldt, q_rows, q_.stride(2), R, s.dk.data(), D, D, n);
+      pv_skip_zero_weights(dP, ld, &k_(vb, h_kv, shape_.kv_rows[static_cast<std::size_t>(b)].begin + j0, 0),
+                           k_.stride(2), n, dq, D, D, R);
+    }
+  }
+
+  const AttentionShape& shape_;
+  TensorView4<const float> q_, k_, v_, out_;
+  TensorView3<const float> lse_;
+  TensorView4<const float> d_out_;
+  TensorView4<float> d_q_, d_k_, d_v_;
+  const AttentionParams<float>& params_;
+};
+
+/// This pass's fused backward, chosen by overload on the tag (dispatch.hpp brings the passes' overloads together).
+inline void run_fused_backward_as(QKV_PASS_TAG, const AttentionShape& shape, const TensorView4<const float>& q,
+                                  const TensorView4<const float>& k, const TensorView4<const float>& v,
+                                  const TensorView4<const float>& out, const TensorView3<const float>& lse,
+                                  const TensorView4<const float>& d_out, const TensorView4<float>& d_q,
+                                  const TensorView4<float>& d_k, const TensorView4<float>& d_v,
+                                  const AttentionParams<float>& params) {
+  FusedBackward<QKV_PASS_TAG>(shape, q, k, v, out, lse, d_out, d_q, d_k, d_v, params).run();
+}
+
+}  // namespace QKV_PASS_NAME
+}  // namespace QKV_ISA_NAME
+}  // namespace detail
+}  // namespace qkv
+
+#endif  // QKV_DETAIL_FUSED_BACKWARD_HPP, per pass
