@@ -661,7 +661,9 @@ inline namespace QKV_ISA_NAME {
 /// Mapping: GQA and MQA as qkv::attention (query head h reads K/V head h / G). Every option is decided on global
 ///   positions: causal (both alignments; bottom_right uses the global Skv_b − Sq), window, global tokens, ALiBi,
 ///   softcap, scale; `key_lengths` are global lengths (one per batch entry, each in [0, Skv]); `sinks` join each row's
-///   denominator once. `options.backend` chooses each block's backend (float: fused; double: reference).
+///   denominator once; dropout draws the mask of the whole call (keyed on global positions), so the ranks' rows are
+///   the one-process call's with the same options. `options.backend` chooses each block's backend (float: fused;
+///   double: reference).
 /// Preconditions: every rank of `comm` calls with the same extents but the sequence axis, the same options and the
 ///   same layout; MPI is initialized and this is the thread that calls MPI (see `Environment`).
 /// Edge cases: a rank may hold no rows (Sq or Skv < the rank count); a query that sees no key gets zeros and lse −∞
@@ -711,7 +713,9 @@ void ring_attention(MPI_Comm comm, non_deduced_t<TensorView4<const T>> q, non_de
 ///   Hq = 8, Hkv = 2, P = 4: rank 0 computes query heads 0, 1 with K/V head 0, rank 3 heads 6, 7 with K/V head 1.
 /// Options: as ring_attention (on the whole sequence locally, so no global positions are needed); each rank passes
 ///   the ALiBi slopes and sinks of its own heads to its call.
-/// Throws: as ring_attention, on every rank; and shape_error on every rank when the head rules fail.
+/// Throws: as ring_attention, on every rank; and shape_error on every rank when the head rules fail, or when
+///   `options.dropout_p` > 0 (not supported yet: a rank computes its heads as heads 0, 1, …, and the dropout mask is
+///   keyed by the head; ring_attention supports dropout).
 /// Complexity: per rank the attention of Hq/P heads over the whole sequence, O(B·Hq·Sq·Skv·(D + Dv)/P) flops (a
 ///   causal mask halves it on every rank alike); communication: two all-to-alls in, one out, each rank sending about
 ///   (P−1)/P of its q, k, v (k and v times P/Hkv when replicated) and out, lse shards.
