@@ -483,3 +483,28 @@ TEST(MultiHeadBackwardErrors, EveryThrow) {
 }
 
 }  // namespace
+
+// ---- dropout in a KV-cache step ---------------------------------------------------------------------------------------
+
+TEST(ModuleDropout, CachedStepsDrawTheMaskOfOneForwardOverAllTokens) {
+  // forward(X_new, cache) keys the dropout mask of its new rows at their positions L … L + T_new − 1, so decoding
+  // token by token (and in chunks) gives the rows of one causal forward over all the tokens with the same options,
+  // mask included (double, reference path: the same arithmetic up to rounding).
+  const Module<double> mha = random_module<double>(Sizes{8, 4, 2, 2, 0, 0, true, std::nullopt}, 41);
+  const Matrix<double> X = random_matrix<double>(9, 8, 43, 1.0);
+  qkv::AttentionOptions<double> options;
+  options.causal = true;
+  options.dropout_p = 0.4;
+  options.dropout_seed = 77;
+  options.dropout_offset = 3;
+  const Matrix<double> whole = mha.forward(X, options);
+  qkv::KVCache<double> cache = mha.make_cache(9);
+  Matrix<double> stepped(9, 8);
+  stepped.topRows(4) = mha.forward(X.topRows(4), cache, options);  // a chunk, then one token at a time
+  for (Index t = 4; t < 9; ++t) stepped.row(t) = mha.forward(X.row(t), cache, options);
+  EXPECT_LE((stepped - whole).cwiseAbs().maxCoeff(), 1e-12 * std::max(1.0, whole.cwiseAbs().maxCoeff()));
+  // And the mask matters: without it the rows differ.
+  qkv::AttentionOptions<double> no_dropout = options;
+  no_dropout.dropout_p = 0.0;
+  EXPECT_GT((mha.forward(X, no_dropout) - whole).cwiseAbs().maxCoeff(), 1e-3);
+}
