@@ -414,13 +414,29 @@ void expect_fused_within_rule(const Case& c64) {
   const BackwardRun exact = run_backward<double>(c, qkv::Backend::reference, /*want_bias=*/false);
   const std::vector<float> q(c.pr.q.begin(), c.pr.q.end()), k(c.pr.k.begin(), c.pr.k.end()),
       v(c.pr.v.begin(), c.pr.v.end()), d_out(c.d_out.begin(), c.d_out.end());
-  const qkv_test::PlainGradients<float> plain = qkv_test::plain_backward<float>(q, k, v, d_out, c.pr.p);
-  const auto wide = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
-  expect_within_accuracy_rule(fused.g.d_q, wide(plain.d_q), exact.g.d_q, "d_q");
-  expect_within_accuracy_rule(fused.g.d_k, wide(plain.d_k), exact.g.d_k, "d_k");
-  expect_within_accuracy_rule(fused.g.d_v, wide(plain.d_v), exact.g.d_v, "d_v");
-  if (!c.pr.p.sinks.empty())
-    expect_within_accuracy_rule(fused.g.d_sinks, wide(plain.d_sinks), exact.g.d_sinks, "d_sinks");
+  // The yardstick is the larger error of the plain float backward's two forms (support/plain_backward.hpp): weights
+  // from its own softmax, and from the float out and lse the fused call was given (a float lse carries |lse|·2^-24
+  // into every recomputed weight, which every backward that reads it inherits), as the forward's rule takes the
+  // largest error over several plain versions.
+  const std::vector<float> out(fused.out.begin(), fused.out.end()), lse(fused.lse.begin(), fused.lse.end());
+  const qkv_test::PlainGradients<float> own = qkv_test::plain_backward<float>(q, k, v, d_out, c.pr.p);
+  const qkv_test::PlainGradients<float> given = qkv_test::plain_backward<float>(q, k, v, d_out, c.pr.p, &out, &lse);
+  const auto yardstick = [](const std::vector<float>& a, const std::vector<float>& b, const std::vector<double>& e) {
+    double error_a = 0, error_b = 0;
+    for (std::size_t n = 0; n < e.size(); ++n) {
+      error_a = std::max(error_a, std::fabs(static_cast<double>(a[n]) - e[n]));
+      error_b = std::max(error_b, std::fabs(static_cast<double>(b[n]) - e[n]));
+    }
+    const std::vector<float>& worse = error_b > error_a ? b : a;
+    return std::vector<double>(worse.begin(), worse.end());
+  };
+  expect_within_accuracy_rule(fused.g.d_q, yardstick(own.d_q, given.d_q, exact.g.d_q), exact.g.d_q, "d_q");
+  expect_within_accuracy_rule(fused.g.d_k, yardstick(own.d_k, given.d_k, exact.g.d_k), exact.g.d_k, "d_k");
+  expect_within_accuracy_rule(fused.g.d_v, yardstick(own.d_v, given.d_v, exact.g.d_v), exact.g.d_v, "d_v");
+  if (!c.pr.p.sinks.empty()) {
+    expect_within_accuracy_rule(fused.g.d_sinks, yardstick(own.d_sinks, given.d_sinks, exact.g.d_sinks),
+                                exact.g.d_sinks, "d_sinks");
+  }
 }
 
 /// A randomized grid of fused cases: D not a multiple of 8 or 16, Sq ≠ Skv, decoding (Sq = 1), causal both ways,
@@ -882,3 +898,39 @@ TEST(BackwardErrors, EachMalformedArgumentThrowsShapeError) {
 }
 
 }  // namespace
+
+TEST(BackwardNaNRule, ScaleZeroKeepsANaNValueOutOfTheQueryAndKeyGradients) {
+  // With scale 0 (and with a saturated softcap) the scores do not depend on q or k, so a NaN in a visible v_j, which
+  // reaches d_v and every output it weighs, must not reach d_q or d_k: their terms have coefficient 0 and are skipped.
+  const Index Sq = 5, Skv = 7, D = 4, Dv = 3;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(Sq * D), k(Skv * D), v(Skv * Dv), d_out(Sq * Dv);
+  for (auto* x : {&q, &k, &v, &d_out}) {
+    for (float& e : *x) e = normal(rng);
+  }
+  v[2 * Dv + 1] = std::numeric_limits<float>::quiet_NaN();
+  for (const qkv::Backend backend : {qkv::Backend::reference, qkv::Backend::fused}) {
+    for (const bool saturated : {false, true}) {
+      qkv::AttentionOptions<float> options;
+      options.backend = backend;
+      if (saturated) {
+        options.scale = 1e6f;  // |q·k·scale / softcap| ≫ 1: tanh saturates, softcap′ = 0 exactly in float
+        options.softcap = 1.0f;
+      } else {
+        options.scale = 0.0f;
+      }
+      std::vector<float> out(Sq * Dv), lse(Sq), d_q(q.size()), d_k(k.size()), d_v(v.size());
+      const auto view = [](std::vector<float>& x, Index S, Index W) { return qkv::view_bhsd(x.data(), 1, 1, S, W); };
+      qkv::attention<float>(view(q, Sq, D), view(k, Skv, D), view(v, Skv, Dv), view(out, Sq, Dv),
+                            TensorView3<float>(lse.data(), {1, 1, Sq}), options);
+      qkv::attention_backward<float>(view(q, Sq, D), view(k, Skv, D), view(v, Skv, Dv), view(out, Sq, Dv),
+                                     TensorView3<const float>(lse.data(), {1, 1, Sq}), view(d_out, Sq, Dv),
+                                     view(d_q, Sq, D), view(d_k, Skv, D), view(d_v, Skv, Dv), options);
+      const char* name = backend == qkv::Backend::fused ? "fused" : "reference";
+      for (float x : d_q) EXPECT_EQ(x, 0.0f) << name << (saturated ? " softcap" : " scale 0") << ": d_q";
+      for (float x : d_k) EXPECT_EQ(x, 0.0f) << name << (saturated ? " softcap" : " scale 0") << ": d_k";
+      EXPECT_TRUE(std::isnan(out[1])) << name << ": the NaN value does reach the output (column 1)";
+    }
+  }
+}

@@ -262,6 +262,7 @@ void reference_backward_task(const AttentionShape& shape, Index b, Index h_kv, c
           const double c = std::cosh(queries.row(i).dot(keys.row(j)) * scale / softcap);
           slope = scale / (c * c);  // scale·(1 − tanh²): the same, without the cancellation of 1 − tanh²
         }
+        if (slope == 0.0) continue;  // scale 0, or a saturated softcap: q_i and k_j do not move s_ij (NaN rule)
         const double g = d_score * slope;
         if (g == 0.0) continue;
         d_queries.row(i) += g * keys.row(j);
@@ -395,8 +396,9 @@ inline namespace QKV_ISA_NAME {
 ///   gives zero d_q and d_k), softcap (its tanh derivative), bias, ALiBi (no gradient: the slopes are constants),
 ///   sinks (d_sink_h = −Σ_{b,i} exp(sink_h − lse_bhi)·D_bhi), dropout (the same mask as the forward, from
 ///   dropout_seed, dropout_offset and the positions).
-/// Edge cases: a key no query sees (hidden by any rule, padding included) gets exactly zero d_k and d_v and is never
-///   read; a query that sees no key (lse −∞, or its sink logit) gets zero d_q and contributes nothing; Sq = 0 or
+/// Edge cases: a key no query sees (hidden by any rule, padding included) gets exactly zero d_k and d_v, and its
+///   values never enter the arithmetic (keys past the padding are never read; the fused kernel's finiteness scan reads
+///   the others, so a NaN or ∞ stored in a hidden slot only moves its task to the exact, scalar path); a query that sees no key (lse −∞, or its sink logit) gets zero d_q and contributes nothing; Sq = 0 or
 ///   Skv = 0 give zeros. NaN rule: a NaN or ∞ in a visible input reaches exactly the gradients that depend on it
 ///   mathematically, and nothing else: a term whose coefficient is exactly 0 (a hidden or dropped pair, a weight
 ///   that is exactly 0, scale 0) is skipped, never multiplied. So a NaN in k_j reaches d_q of the rows that see key

@@ -5,7 +5,7 @@
 // (sequence b, kv head h_kv), which owns d_k and d_v of its kv head and d_q of its G query heads:
 //
 //   pack K as Kᵀ panels and as column chunks, Vᵀ as panels, Q and dO of the G heads as column chunks    pack.hpp
-//   D_i = rowsum(dO_i ∘ O_i)
+//   D_i = rowsum(dO_i ∘ O_i), in float in the micro-kernel's order (pack_task)
 //   for each key tile [j0, j1) of kBlockKeys keys inside MaskGeometry::key_range               mask.hpp
 //     dK_tile = dV_tile = 0
 //     for each query head g of the group, each query block [i0, i1) of kBlockRows rows, hidden blocks skipped
@@ -228,7 +228,9 @@ class FusedBackward {
   }
 
   /// Packs the task's operands (pack.hpp): Kᵀ and Vᵀ panels for S and dP, K, Q and dO as column chunks for the
-  /// three products that accumulate, and D_i = rowsum(dO_i ∘ O_i) (accumulated in double, rounded once).
+  /// three products that accumulate, and D_i = rowsum(dO_i ∘ O_i) in float, one fused multiply-add per column in
+  /// column order: the order in which the micro-kernel forms each dP_ij = dO_i·v_j, so that dP_ij − D_i is exactly 0
+  /// where out_i = v_j (a row that sees one key: its exact dS is 0, and so is the computed one, whatever P's rounding).
   void pack_task(Index vb, Index h_kv, Index q_row0, Index sq, Index kv_row0, Index skv, BackwardScratch& s) const {
     const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group;
     const float* k = &k_(vb, h_kv, kv_row0, 0);
@@ -244,13 +246,13 @@ class FusedBackward {
                          nullptr);
       }
       for (Index i = 0; i < sq; ++i) {
-        double sum = 0.0;
+        float sum = 0.0f;
         if (Dv > 0) {
           const float* o = &out_(vb, h, q_row0 + i, 0);
           const float* d_o = &d_out_(vb, h, q_row0 + i, 0);
-          for (Index d = 0; d < Dv; ++d) sum += static_cast<double>(o[d]) * static_cast<double>(d_o[d]);
+          for (Index d = 0; d < Dv; ++d) sum = std::fma(d_o[d], o[d], sum);
         }
-        s.delta.data()[g * sq + i] = static_cast<float>(sum);
+        s.delta.data()[g * sq + i] = sum;
       }
     }
   }
@@ -339,8 +341,9 @@ class FusedBackward {
       const float d_i = delta[r];
       if (exact) {
         for (Index j = 0; j < n; ++j) {
+          // A zero coefficient (weight, softcap′ or scale) is selected away, never multiplied (NaN rule).
           const float f = plain ? 1.0f : factor_row[j];
-          ds_row[j] = p_row[j] == 0.0f ? 0.0f : p_row[j] * (ds_row[j] - d_i) * f * scale;
+          ds_row[j] = p_row[j] == 0.0f || f == 0.0f || scale == 0.0f ? 0.0f : p_row[j] * (ds_row[j] - d_i) * f * scale;
         }
       } else if (plain) {
         const auto scale_vector = set1(Tag(), scale), d_vector = set1(Tag(), d_i);
@@ -350,7 +353,10 @@ class FusedBackward {
         }
         for (Index j = full; j < n; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
       } else {
-        for (Index j = 0; j < n; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * factor_row[j] * scale;
+        // Hidden keys (weight 0) selected: dP − D_i may overflow to ±∞ even from finite inputs.
+        for (Index j = 0; j < n; ++j) {
+          ds_row[j] = p_row[j] == 0.0f ? 0.0f : p_row[j] * (ds_row[j] - d_i) * factor_row[j] * scale;
+        }
       }
     }
     const float* P_used = dropout ? P_kept : S;
