@@ -964,6 +964,13 @@ class MultiHeadAttention {
 
   /// The backward pass of every form: recomputes the forward (projections, RoPE, attention with its lse), then runs
   /// the chain rule documented at `backward(X, dY, options)`. dX and dX_kv are left for the public forms.
+  /// The column sums of M as a vector (a bias's gradient): zeros for M without rows (Eigen's colwise().sum() of an
+  /// empty matrix offsets a null pointer, which UBSan rejects).
+  static Vector column_sums(const Matrix<Scalar>& M) {
+    if (M.rows() == 0) return Vector::Zero(M.cols());
+    return M.colwise().sum().transpose();
+  }
+
   template <class DQ, class DK, class DV, class DY>
   Gradients backward_impl(const char* function, const DQ& X_q, const char* q_name, const DK& X_k, const char* k_name,
                           const DV& X_v, const char* v_name, const DY& dY,
@@ -990,7 +997,7 @@ class MultiHeadAttention {
 
     Gradients g;
     g.dW_o.noalias() = O.transpose() * dY;
-    g.db_o = config_.bias ? Vector(dY.colwise().sum().transpose()) : Vector();
+    g.db_o = config_.bias ? column_sums(dY) : Vector();
     Matrix<Scalar> dO(Tq, H_q * D);
     dO.noalias() = dY * W_o.transpose();
     Matrix<Scalar> dQ(Tq, H_q * D), dK(Tk, H_kv * D), dV(Tk, H_kv * D);
@@ -1014,7 +1021,7 @@ class MultiHeadAttention {
     dX.noalias() = dP * W.transpose();
     dW.resize(W.rows(), W.cols());
     dW.noalias() = X.transpose() * dP;
-    db = config_.bias ? Vector(dP.colwise().sum().transpose()) : Vector();
+    db = config_.bias ? column_sums(dP) : Vector();
   }
 
   /// Y = attention(Q, k, v)·W_o + b_o, with Q packed (Tq × Hq·head_dim) and k, v [1, Hkv, Tk, head_dim] views of
