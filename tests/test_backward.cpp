@@ -39,6 +39,7 @@
 #include "support/counting_allocator.hpp"
 #include "support/expect_shape_error.hpp"
 #include "support/plain_backward.hpp"
+#include "support/backward_call.hpp"
 #include "support/problem.hpp"
 
 namespace {
@@ -847,19 +848,7 @@ TEST(BackwardEdges, KeysNoQuerySeesGetExactlyZeroGradient) {
   }
 }
 
-/// A valid backward call in float over qkv_test::ValidCall's inputs, for the error tests.
-struct BackwardCall : qkv_test::ValidCall {
-  std::vector<float> d_out_data = std::vector<float>(kRoom, 1.0f), d_q_data = std::vector<float>(kRoom),
-                     d_k_data = std::vector<float>(kRoom), d_v_data = std::vector<float>(kRoom),
-                     d_bias_data = std::vector<float>(kRoom), d_sinks_data = std::vector<float>(kRoom);
-  TensorView4<const float> d_out{d_out_data.data(), {B, Hq, Sq, Dv}};
-  TensorView4<float> d_q{d_q_data.data(), {B, Hq, Sq, D}};
-  TensorView4<float> d_k{d_k_data.data(), {B, Hkv, Skv, D}};
-  TensorView4<float> d_v{d_v_data.data(), {B, Hkv, Skv, Dv}};
-  qkv::AttentionGradientExtras<float> extras;
-
-  void run_backward() { qkv::attention_backward<float>(q, k, v, out, lse, d_out, d_q, d_k, d_v, options, extras); }
-};
+using qkv_test::BackwardCall;
 
 TEST(BackwardErrors, EachMalformedArgumentThrowsShapeError) {
   using qkv_test::expect_shape_error;
@@ -867,28 +856,28 @@ TEST(BackwardErrors, EachMalformedArgumentThrowsShapeError) {
       [] {
         BackwardCall c;
         c.d_k = TensorView4<float>(c.d_k_data.data(), {2, 2, 4, 4});
-        c.run_backward();
+        c.run();
       },
       {"qkv::attention_backward: d_k axis 2 (Skv) has extent 4, expected 5"});
   expect_shape_error(
       [] {
         BackwardCall c;
         c.d_q = TensorView4<float>(c.q_data.data(), {2, 4, 3, 4});
-        c.run_backward();
+        c.run();
       },
       {"d_q overlaps an input (q)"});
   expect_shape_error(
       [] {
         BackwardCall c;
         c.d_v = TensorView4<float>(c.d_k_data.data() + 8, {2, 2, 5, 3});
-        c.run_backward();
+        c.run();
       },
       {"d_k overlaps d_v"});
   expect_shape_error(
       [] {
         BackwardCall c;
         c.extras.d_bias = TensorView4<float>(c.d_bias_data.data(), {1, 1, 3, 5});
-        c.run_backward();
+        c.run();
       },
       {"extras.d_bias is requested", "options.bias is not set"});
   expect_shape_error(
@@ -896,7 +885,7 @@ TEST(BackwardErrors, EachMalformedArgumentThrowsShapeError) {
         BackwardCall c;
         c.options.bias = TensorView4<const float>(c.bias_data.data(), {2, 1, 3, 5});
         c.extras.d_bias = TensorView4<float>(c.d_bias_data.data(), {2, 4, 3, 5});
-        c.run_backward();
+        c.run();
       },
       {"extras.d_bias axis 1 (Hq) has extent 4, expected 1 (the extent of options.bias)"});
   expect_shape_error(
@@ -904,21 +893,21 @@ TEST(BackwardErrors, EachMalformedArgumentThrowsShapeError) {
         BackwardCall c;
         c.options.sinks = {0, 0, 0, 0};
         c.extras.d_sinks = qkv::TensorView<float, 1>(c.d_sinks_data.data(), {3});
-        c.run_backward();
+        c.run();
       },
       {"extras.d_sinks axis 0 (Hq) has extent 3, expected 4"});
   expect_shape_error(
       [] {
         BackwardCall c;
         c.extras.d_sinks = qkv::TensorView<float, 1>(c.d_sinks_data.data(), {4});
-        c.run_backward();
+        c.run();
       },
       {"extras.d_sinks is requested", "options.sinks is empty"});
   expect_shape_error(
       [] {
         BackwardCall c;
         c.lse = TensorView3<float>(c.lse_data.data(), {2, 4, 2});
-        c.run_backward();
+        c.run();
       },
       {"lse axis 2 (Sq) has extent 2, expected 3"});
 }

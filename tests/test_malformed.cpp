@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "qkv/qkv.hpp"
+#include "support/backward_call.hpp"
 #include "support/problem.hpp"
 
 #ifndef QKV_MALFORMED_DOC
@@ -54,20 +55,7 @@ struct Kv16Call : qkv_test::ValidCall {
   void run_with_lse() { qkv::attention(q, k16, v16, out, lse, options); }
 };
 
-/// The valid call of ValidCall as a backward call: qkv::attention_backward with d_out [2, 4, 3, 3] and the gradients
-/// d_q [2, 4, 3, 4], d_k [2, 2, 5, 4], d_v [2, 2, 5, 3].
-struct BackwardCall : qkv_test::ValidCall {
-  std::vector<float> d_out_data = std::vector<float>(kRoom, 1.0f), d_q_data = std::vector<float>(kRoom),
-                     d_k_data = std::vector<float>(kRoom), d_v_data = std::vector<float>(kRoom),
-                     d_bias_data = std::vector<float>(kRoom), d_sinks_data = std::vector<float>(kRoom);
-  TensorView4<const float> d_out{d_out_data.data(), {B, Hq, Sq, Dv}};
-  TensorView4<float> d_q{d_q_data.data(), {B, Hq, Sq, D}};
-  TensorView4<float> d_k{d_k_data.data(), {B, Hkv, Skv, D}};
-  TensorView4<float> d_v{d_v_data.data(), {B, Hkv, Skv, Dv}};
-  qkv::AttentionGradientExtras<float> extras;
-
-  void run() { qkv::attention_backward<float>(q, k, v, out, lse, d_out, d_q, d_k, d_v, options, extras); }
-};
+using qkv_test::BackwardCall;
 
 /// merge_attention_states over [1, 2, 4, 3] states.
 struct MergeCall {
