@@ -133,6 +133,29 @@ void attention_impl(const char* function, const TensorView4<const T>& q, const T
   run_reference(shape, q, k, v, out, lse, params);
 }
 
+// Separate compilation (docs/design.md, "Separate compilation"): with QKV_SEPARATE_COMPILATION defined, a translation
+// unit only declares these instantiations of the entry points' bodies (the kernel copies, the reference, validation),
+// and the one unit that includes <qkv/instantiate.hpp> defines them.
+#define QKV_ATTENTION_INSTANTIATIONS(PREFIX)                                                                          \
+  PREFIX void attention_impl<float, float>(                                                                           \
+      const char*, const TensorView4<const float>&, const TensorView4<const float>&, const TensorView4<const float>&, \
+      const TensorView4<float>&, const TensorView3<float>*, const AttentionOptions<float>&);                          \
+  PREFIX void attention_impl<double, double>(const char*, const TensorView4<const double>&,                           \
+                                             const TensorView4<const double>&, const TensorView4<const double>&,      \
+                                             const TensorView4<double>&, const TensorView3<double>*,                  \
+                                             const AttentionOptions<double>&);                                        \
+  PREFIX void attention_impl<float, Eigen::half>(const char*, const TensorView4<const float>&,                        \
+                                                 const TensorView4<const Eigen::half>&,                               \
+                                                 const TensorView4<const Eigen::half>&, const TensorView4<float>&,    \
+                                                 const TensorView3<float>*, const AttentionOptions<float>&);          \
+  PREFIX void attention_impl<float, Eigen::bfloat16>(                                                                 \
+      const char*, const TensorView4<const float>&, const TensorView4<const Eigen::bfloat16>&,                        \
+      const TensorView4<const Eigen::bfloat16>&, const TensorView4<float>&, const TensorView3<float>*,                \
+      const AttentionOptions<float>&);
+#ifdef QKV_SEPARATE_COMPILATION
+QKV_ATTENTION_INSTANTIATIONS(extern template)
+#endif
+
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 

@@ -368,6 +368,22 @@ void attention_backward_impl(const char* function, const TensorView4<const T>& q
   if (is_requested(extras.d_sinks)) sink_gradients(out, lse, d_out, params, extras.d_sinks);
 }
 
+// Separate compilation: as QKV_ATTENTION_INSTANTIATIONS (attention.hpp), for the backward.
+#define QKV_BACKWARD_INSTANTIATIONS(PREFIX)                                                                            \
+  PREFIX void attention_backward_impl<float>(                                                                          \
+      const char*, const TensorView4<const float>&, const TensorView4<const float>&, const TensorView4<const float>&,  \
+      const TensorView4<const float>&, const TensorView3<const float>&, const TensorView4<const float>&,               \
+      const TensorView4<float>&, const TensorView4<float>&, const TensorView4<float>&, const AttentionOptions<float>&, \
+      const AttentionGradientExtras<float>&);                                                                          \
+  PREFIX void attention_backward_impl<double>(                                                                         \
+      const char*, const TensorView4<const double>&, const TensorView4<const double>&,                                 \
+      const TensorView4<const double>&, const TensorView4<const double>&, const TensorView3<const double>&,            \
+      const TensorView4<const double>&, const TensorView4<double>&, const TensorView4<double>&,                        \
+      const TensorView4<double>&, const AttentionOptions<double>&, const AttentionGradientExtras<double>&);
+#ifdef QKV_SEPARATE_COMPILATION
+QKV_BACKWARD_INSTANTIATIONS(extern template)
+#endif
+
 }  // namespace QKV_ISA_NAME
 }  // namespace detail
 
@@ -398,13 +414,13 @@ inline namespace QKV_ISA_NAME {
 ///   dropout_seed, dropout_offset and the positions).
 /// Edge cases: a key no query sees (hidden by any rule, padding included) gets exactly zero d_k and d_v, and its
 ///   values never enter the arithmetic (keys past the padding are never read; the fused kernel's finiteness scan reads
-///   the others, so a NaN or ∞ stored in a hidden slot only moves its task to the exact, scalar path); a query that sees no key (lse −∞, or its sink logit) gets zero d_q and contributes nothing; Sq = 0 or
-///   Skv = 0 give zeros. NaN rule: a NaN or ∞ in a visible input reaches exactly the gradients that depend on it
-///   mathematically, and nothing else: a term whose coefficient is exactly 0 (a hidden or dropped pair, a weight
-///   that is exactly 0, scale 0) is skipped, never multiplied. So a NaN in k_j reaches d_q of the rows that see key
-///   j and d_k, d_v of every key those rows see (and d_k_j); in v_j, d_q of the rows that see j (and keep it) and
-///   d_k of every key those rows see, but no d_v; in q_i or d_out_i, d_q_i and d_k, d_v of every key row i sees;
-///   in a hidden key's k or v, nothing.
+///   the others, so a NaN or ∞ stored in a hidden slot only moves its task to the exact, scalar path); a query that
+///   sees no key (lse −∞, or its sink logit) gets zero d_q and contributes nothing; Sq = 0 or Skv = 0 give zeros. NaN
+///   rule: a NaN or ∞ in a visible input reaches exactly the gradients that depend on it mathematically, and nothing
+///   else: a term whose coefficient is exactly 0 (a hidden or dropped pair, a weight that is exactly 0, scale 0) is
+///   skipped, never multiplied. So a NaN in k_j reaches d_q of the rows that see key j and d_k, d_v of every key those
+///   rows see (and d_k_j); in v_j, d_q of the rows that see j (and keep it) and d_k of every key those rows see, but no
+///   d_v; in q_i or d_out_i, d_q_i and d_k, d_v of every key row i sees; in a hidden key's k or v, nothing.
 /// Throws: `shape_error` for any bad extent, stride or option (as the forward), an output that overlaps an input or
 ///   another output, extras.d_bias without options.bias or with other extents, extras.d_sinks without options.sinks
 ///   or without Hq entries; `unsupported_error` for `Backend::fused` with double. Nothing is written when it throws.
