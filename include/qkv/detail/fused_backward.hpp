@@ -4,7 +4,8 @@
 // and computes d_sinks before it gets here. Given the forward's out and lse (natural log) and d_out, per task
 // (sequence b, kv head h_kv), which owns d_k and d_v of its kv head and d_q of its G query heads:
 //
-//   pack K as Kᵀ panels and as column chunks, Vᵀ as panels, Q and dO of the G heads as column chunks    pack.hpp
+//   pack K as Kᵀ panels and, per key tile, as column chunks; Vᵀ as panels; Q and dO of the G heads, per query
+//   block, as column chunks (a block's or a tile's chunks then lie together, not a whole sequence apart)  pack.hpp
 //   D_i = rowsum(dO_i ∘ O_i), in float in the micro-kernel's order (pack_task)
 //   for each key tile [j0, j1) of kBlockKeys keys inside MaskGeometry::key_range               mask.hpp
 //     dK_tile = dV_tile = 0
@@ -18,8 +19,13 @@
 //
 // All five products run on the forward's prefill micro-kernel (prefill_kernels.hpp: a strip of ≤ kStrip rows times
 // packed panels or chunks, accumulators in registers): S and dP as qk_panel over Kᵀ and Vᵀ panels, the three others
-// as pv_strip over chunks of Q, dO and K, Pᵀ and dSᵀ read in place (the micro-kernel only broadcasts its left operand). Per block: 5·R·n·D multiply-adds
-// (D = Dv), against the forward's 2 — FlashAttention-2's backward is 2–2.5 times its forward for the same reason.
+// as pv_block over chunks of Q, dO and K, chunk by chunk so that each chunk is read from L1 by every strip, Pᵀ and
+// dSᵀ read in place (the micro-kernel only broadcasts its left operand). Per block: 5·R·n·D multiply-adds (D = Dv),
+// against the forward's 2 — FlashAttention-2's backward is 2–2.5 times its forward for the same reason.
+// Packing per block and tile matters: packed per sequence, the chunks of one block lie Sq·kChunk floats apart (Sq·64
+// bytes on AVX2), a multiple of the L2's way size at Sq = 1024 or 4096, so a block's 16 chunk pieces of Q and dO
+// (AVX2, D = 128) competed for the same 8-way sets (valgrind's cache simulator with Zen 3's 512 KiB 8-way L2: half
+// the L2 misses of the per-sequence layout at Sq = Skv = 1024, D = 128).
 //
 // Memory: per thread the task's packed K (twice), Vᵀ, Q and dO (O((Skv + G·Sq)·D) floats), dQ of the task (G·Sq × D),
 // and tiles of kBlockRows × kBlockKeys: nothing of size Sq × Skv. Threads share the tasks; each task writes only its
@@ -83,9 +89,10 @@ struct BackwardTiles {
 /// Per-thread scratch of the fused backward: sized once per call for the largest task, reused by every task.
 struct BackwardScratch {
   AlignedBuffer k_panels, k_chunks, v_panels, q_chunks, do_chunks;  ///< the task's packed operands
-  AlignedBuffer delta, dq;                                           ///< D_i and dQ of the task's G·Sq rows
-  AlignedBuffer s, dp, p_kept, pt, dst, factor, dk, dv;              ///< one block's buffers (P̃ with dropout; the transposes on the exact path) and the key tile's
-  std::vector<HeadMask<float>> masks;                                ///< the task's G head masks
+  AlignedBuffer delta, dq;                                          ///< D_i and dQ of the task's G·Sq rows
+  AlignedBuffer s, dp, p_kept, pt, dst, factor, dk,
+      dv;  ///< one block's buffers (P̃ with dropout; the transposes on the exact path) and the key tile's
+  std::vector<HeadMask<float>> masks;  ///< the task's G head masks
 };
 
 /// The fused backward for one call in float, over validated views and resolved parameters.
@@ -104,7 +111,16 @@ class FusedBackward {
                 const TensorView3<const float>& lse, const TensorView4<const float>& d_out,
                 const TensorView4<float>& d_q, const TensorView4<float>& d_k, const TensorView4<float>& d_v,
                 const AttentionParams<float>& params)
-      : shape_(shape), q_(q), k_(k), v_(v), out_(out), lse_(lse), d_out_(d_out), d_q_(d_q), d_k_(d_k), d_v_(d_v),
+      : shape_(shape),
+        q_(q),
+        k_(k),
+        v_(v),
+        out_(out),
+        lse_(lse),
+        d_out_(d_out),
+        d_q_(d_q),
+        d_k_(d_k),
+        d_v_(d_v),
         params_(params) {}
 
   /// Runs every (sequence, kv head) task; with OpenMP, threads share the tasks. The result does not depend on the
@@ -201,7 +217,7 @@ class FusedBackward {
       pack_task(vb, h_kv, q_row0, sq, kv_row0, skv, s);
       const MaskGeometry& geometry = s.masks[0].geometry;
       const KeyRange range = geometry.key_range(0, sq);
-      for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += kBlockKeys) {
+      for (Index j0 = range.begin / kBlockKeys * kBlockKeys; j0 < range.end; j0 += kBlockKeys) {
         const Index j1 = std::min(j0 + kBlockKeys, range.end), n = j1 - j0;
         std::fill_n(s.dk.data(), n * D, 0.0f);
         std::fill_n(s.dv.data(), n * Dv, 0.0f);
@@ -235,15 +251,22 @@ class FusedBackward {
     const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group;
     const float* k = &k_(vb, h_kv, kv_row0, 0);
     pack_keys<Tag>(k, k_.stride(2), skv, D, s.k_panels.data(), nullptr);
-    pack_values<Tag>(k, k_.stride(2), skv, D, s.k_chunks.data(), nullptr);
+    for (Index j0 = 0; j0 < skv; j0 += kBlockKeys) {
+      pack_values<Tag>(k + j0 * k_.stride(2), k_.stride(2), std::min(kBlockKeys, skv - j0), D,
+                       s.k_chunks.data() + j0 * round_up(D, kChunk), nullptr);
+    }
     if (Dv > 0) pack_keys<Tag>(&v_(vb, h_kv, kv_row0, 0), v_.stride(2), skv, Dv, s.v_panels.data(), nullptr);
     const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
     for (Index g = 0; g < G; ++g) {
       const Index h = h_kv * G + g;
-      pack_values<Tag>(&q_(vb, h, q_row0, 0), q_.stride(2), sq, D, s.q_chunks.data() + g * q_area, nullptr);
-      if (Dv > 0) {
-        pack_values<Tag>(&d_out_(vb, h, q_row0, 0), d_out_.stride(2), sq, Dv, s.do_chunks.data() + g * do_area,
-                         nullptr);
+      for (Index i0 = 0; i0 < sq; i0 += kBlockRows) {
+        const Index rows = std::min(kBlockRows, sq - i0);
+        pack_values<Tag>(&q_(vb, h, q_row0 + i0, 0), q_.stride(2), rows, D,
+                         s.q_chunks.data() + g * q_area + i0 * round_up(D, kChunk), nullptr);
+        if (Dv > 0) {
+          pack_values<Tag>(&d_out_(vb, h, q_row0 + i0, 0), d_out_.stride(2), rows, Dv,
+                           s.do_chunks.data() + g * do_area + i0 * round_up(Dv, kChunk), nullptr);
+        }
       }
       for (Index i = 0; i < sq; ++i) {
         float sum = 0.0f;
@@ -268,10 +291,10 @@ class FusedBackward {
     const float scale = params_.rules.scale, softcap = params_.rules.softcap;
     const bool dropout = params_.dropout.active();
     const Index ld = kBlockKeys, ldt = kBlockRows;  // row strides of the R × n buffers and of the n × R transposes
-    float* S = s.s.data();         // scores, then P
-    float* dP = s.dp.data();       // dO·Vᵀ, then dS
-    float* P_kept = s.p_kept.data();  // P with dropout applied (P itself without dropout)
-    float* factor = s.factor.data();  // softcap′ per (i, j)
+    float* S = s.s.data();                          // scores, then P
+    float* dP = s.dp.data();                        // dO·Vᵀ, then dS
+    float* P_kept = s.p_kept.data();                // P with dropout applied (P itself without dropout)
+    float* factor = s.factor.data();                // softcap′ per (i, j)
     const float* q_rows = &q_(vb, h, q_row0 + i0, 0);
     const float* do_rows = Dv > 0 ? &d_out_(vb, h, q_row0 + i0, 0) : nullptr;
     const float* delta = s.delta.data() + g * sq + i0;
@@ -283,8 +306,8 @@ class FusedBackward {
       dispatch_rows(std::min<Index>(kStrip, R - r0), [&](auto rows_constant) {
         constexpr int kR = decltype(rows_constant)::value;
         for (Index p = 0; p < panels; ++p) {
-          qk_panel<Tag, kR>(q_rows + r0 * q_.stride(2), q_.stride(2), s.k_panels.data() + (j0 / kPanel + p) * D * kPanel,
-                            D, S + r0 * ld + p * kPanel, ld);
+          qk_panel<Tag, kR>(q_rows + r0 * q_.stride(2), q_.stride(2),
+                            s.k_panels.data() + (j0 / kPanel + p) * D * kPanel, D, S + r0 * ld + p * kPanel, ld);
           if (Dv > 0) {
             qk_panel<Tag, kR>(do_rows + r0 * d_out_.stride(2), d_out_.stride(2),
                               s.v_panels.data() + (j0 / kPanel + p) * Dv * kPanel, Dv, dP + r0 * ld + p * kPanel, ld);
@@ -297,8 +320,29 @@ class FusedBackward {
     }
 
     // P = exp(s − lse) on the visible keys (0 elsewhere, selected), and dS = P ∘ (dP − D_i) · softcap′ · scale.
-    const bool plain = visibility == TileVisibility::full && !mask.has_data_mask() && !mask.modifies_scores();
-    const Index full = n / L * L;
+    // A tile whose mask is index rules only (causal, window, global tokens, key lengths: no `allowed`, bias, ALiBi or
+    // softcap) runs the vector loops over each row's visible keys, at most two runs of them (the global prefix and
+    // the band, MaskGeometry), and writes 0 elsewhere; so does a fully visible one (one run). Other tiles, and the
+    // exact path's dS, go element by element.
+    const bool index_only = !mask.has_data_mask() && !mask.modifies_scores();
+    const bool plain = visibility == TileVisibility::full && index_only;
+    const auto exp_run = [&](float* p_row, float lse, Index a, Index e) {
+      const auto scale_vector = set1(Tag(), scale), lse_vector = set1(Tag(), lse);
+      Index j = a;
+      for (; j + L <= e; j += L) {
+        store(Tag(), p_row + j, exp(Tag(), sub(mul(load(Tag(), p_row + j), scale_vector), lse_vector)));
+      }
+      for (; j < e; ++j) p_row[j] = std::exp(p_row[j] * scale - lse);
+    };
+    const auto ds_run = [&](const float* p_row, float* ds_row, float d_i, Index a, Index e) {
+      const auto scale_vector = set1(Tag(), scale), d_vector = set1(Tag(), d_i);
+      Index j = a;
+      for (; j + L <= e; j += L) {
+        const auto p = load(Tag(), p_row + j);
+        store(Tag(), ds_row + j, mul(mul(p, sub(load(Tag(), ds_row + j), d_vector)), scale_vector));
+      }
+      for (; j < e; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
+    };
     for (Index r = 0; r < R; ++r) {
       const Index i = i0 + r;
       const float lse = lse_(vb, h, q_row0 + i);
@@ -311,12 +355,33 @@ class FusedBackward {
         if (dropout) std::fill_n(P_kept + r * ld, n, 0.0f);
         continue;
       }
+      // The row's visible keys as at most two runs [runs[t].begin, runs[t].end) of tile columns, in order, apart.
+      KeyRange runs[2];
+      int n_runs = 0;
       if (plain) {
-        const auto scale_vector = set1(Tag(), scale), lse_vector = set1(Tag(), lse);
-        for (Index j = 0; j < full; j += L) {
-          store(Tag(), p_row + j, exp(Tag(), sub(mul(load(Tag(), p_row + j), scale_vector), lse_vector)));
+        runs[n_runs++] = {0, n};
+      } else if (index_only) {
+        const KeyRange band = mask.geometry.band(i), global = mask.geometry.global(i);
+        const auto clip = [&](KeyRange range) {
+          return KeyRange{std::clamp(range.begin - j0, Index(0), n),
+                          std::clamp(std::min(range.end, skv) - j0, Index(0), n)};
+        };
+        const KeyRange prefix = clip(global), near = clip(band);
+        if (!prefix.empty() && !near.empty() && near.begin <= prefix.end) {
+          runs[n_runs++] = {prefix.begin, std::max(prefix.end, near.end)};  // the prefix reaches the band: one run
+        } else {
+          if (!prefix.empty()) runs[n_runs++] = prefix;
+          if (!near.empty()) runs[n_runs++] = near;
         }
-        for (Index j = full; j < n; ++j) p_row[j] = std::exp(p_row[j] * scale - lse);
+      }
+      if (index_only) {
+        Index done = 0;
+        for (int t = 0; t < n_runs; ++t) {
+          std::fill(p_row + done, p_row + runs[t].begin, 0.0f);
+          exp_run(p_row, lse, runs[t].begin, runs[t].end);
+          done = runs[t].end;
+        }
+        std::fill(p_row + done, p_row + n, 0.0f);
       } else {
         for (Index j = 0; j < n; ++j) {
           factor_row[j] = 1.0f;
@@ -342,16 +407,19 @@ class FusedBackward {
       if (exact) {
         for (Index j = 0; j < n; ++j) {
           // A zero coefficient (weight, softcap′ or scale) is selected away, never multiplied (NaN rule).
-          const float f = plain ? 1.0f : factor_row[j];
+          const float f = index_only ? 1.0f : factor_row[j];
           ds_row[j] = p_row[j] == 0.0f || f == 0.0f || scale == 0.0f ? 0.0f : p_row[j] * (ds_row[j] - d_i) * f * scale;
         }
-      } else if (plain) {
-        const auto scale_vector = set1(Tag(), scale), d_vector = set1(Tag(), d_i);
-        for (Index j = 0; j < full; j += L) {
-          const auto p = load(Tag(), p_row + j);
-          store(Tag(), ds_row + j, mul(mul(p, sub(load(Tag(), ds_row + j), d_vector)), scale_vector));
+      } else if (index_only) {
+        // Hidden keys are written 0, never multiplied: dP − D_i may overflow to ±∞ even from finite inputs. A visible
+        // weight that underflowed to 0 is multiplied, as on a fully visible tile (only the exact path selects it).
+        Index done = 0;
+        for (int t = 0; t < n_runs; ++t) {
+          std::fill(ds_row + done, ds_row + runs[t].begin, 0.0f);
+          ds_run(p_row, ds_row, d_i, runs[t].begin, runs[t].end);
+          done = runs[t].end;
         }
-        for (Index j = full; j < n; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
+        std::fill(ds_row + done, ds_row + n, 0.0f);
       } else {
         // Hidden keys (weight 0) selected: dP − D_i may overflow to ±∞ even from finite inputs.
         for (Index j = 0; j < n; ++j) {
@@ -362,24 +430,18 @@ class FusedBackward {
     const float* P_used = dropout ? P_kept : S;
 
     const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
-    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * kChunk;
-    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * kChunk;
-    const float* k_chunks = s.k_chunks.data() + j0 * kChunk;
+    // The block's Q and dO chunks and the tile's K chunks, each packed on its own (pack_task), R·kChunk and
+    // tile_keys·kChunk floats from one chunk to the next.
+    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * round_up(D, kChunk);
+    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * round_up(Dv, kChunk);
+    const float* k_chunks = s.k_chunks.data() + j0 * round_up(D, kChunk);
+    const Index tile_keys = std::min(kBlockKeys, skv - j0);
     if (!exact) {
-      // dV_tile += P̃ᵀ · dO_blk and dK_tile += dSᵀ · Q_blk, kStrip keys at a time; dQ_blk += dS · K_tile.
-      for (Index r0 = 0; r0 < n; r0 += kStrip) {
-        dispatch_rows(std::min<Index>(kStrip, n - r0), [&](auto rows_constant) {
-          constexpr int kR = decltype(rows_constant)::value;
-          if (Dv > 0) pv_strip<Tag, kR>(P_used + r0, 1, do_chunks, sq * kChunk, R, s.dv.data() + r0 * Dv, Dv, Dv, ld);
-          pv_strip<Tag, kR>(dP + r0, 1, q_chunks, sq * kChunk, R, s.dk.data() + r0 * D, D, D, ld);
-        });
-      }
-      for (Index r0 = 0; r0 < R; r0 += kStrip) {
-        dispatch_rows(std::min<Index>(kStrip, R - r0), [&](auto rows_constant) {
-          constexpr int kR = decltype(rows_constant)::value;
-          pv_strip<Tag, kR>(dP + r0 * ld, ld, k_chunks, skv * kChunk, n, dq + r0 * D, D, D);
-        });
-      }
+      // dV_tile += P̃ᵀ · dO_blk, dK_tile += dSᵀ · Q_blk (strips of kStrip keys) and dQ_blk += dS · K_tile (strips of
+      // kStrip rows), a chunk of dO, Q or K at a time (pv_block: the chunk stays in L1 while the strips pass).
+      if (Dv > 0) pv_block<Tag>(P_used, 1, ld, do_chunks, R * kChunk, R, s.dv.data(), Dv, n, Dv);
+      pv_block<Tag>(dP, 1, ld, q_chunks, R * kChunk, R, s.dk.data(), D, n, D);
+      pv_block<Tag>(dP, ld, 1, k_chunks, tile_keys * kChunk, n, dq, D, R, D);
     } else {
       // The exact path: every term whose coefficient is 0 is skipped, so a NaN or ∞ in q, k, v or d_out reaches only
       // the gradients that depend on it (hidden_values.hpp).

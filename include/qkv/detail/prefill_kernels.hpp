@@ -2,8 +2,8 @@
 // value chunks, kStrip query rows at a time with every accumulator in registers.
 //
 // Per strip of R ≤ kStrip rows (fused_tiles.hpp) and panel of kPanel = kVectors·lanes keys, qk_panel holds
-// R × kVectors vectors of scores; per chunk of kChunk Dv columns, pv_chunk holds R × kVectors vectors of acc_o. Both read one packed stream (pack.hpp)
-// front to back and broadcast the other operand.
+// R × kVectors vectors of scores; per chunk of kChunk Dv columns, pv_chunk holds R × kVectors vectors of acc_o. Both
+// read one packed stream (pack.hpp) front to back and broadcast the other operand.
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
@@ -30,10 +30,10 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 
 /// c[r][0 .. kVectors·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. kVectors·lanes) for R rows
 /// (R ≤ kStrip), n steps of k, with a[r][k] at a[r·lda + k·a_step] (a_step = 1 for a row-major a; the backward passes
-/// a transposed block, lda = 1: a is only ever broadcast, so its layout costs nothing): the prefill micro-kernel. R × kVectors accumulators stay in registers; each step loads
-/// kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is this over a packed key panel (qk_panel) and P·V over a
-/// packed value chunk (pv_chunk). Kept apart from the tail kernel below: with both in one function clang spilled an
-/// accumulator of the full-width loop to the stack.
+/// a transposed block, lda = 1: a is only ever broadcast, so its layout costs nothing): the prefill micro-kernel. R ×
+/// kVectors accumulators stay in registers; each step loads kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is
+/// this over a packed key panel (qk_panel) and P·V over a packed value chunk (pv_chunk). Kept apart from the tail
+/// kernel below: with both in one function clang spilled an accumulator of the full-width loop to the stack.
 template <class Tag, int R, bool kAccumulate>
 inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c, Index ldc,
                               Index a_step = 1) noexcept {
@@ -112,6 +112,32 @@ inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stri
   if (full < Dv) {
     pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
                           static_cast<int>(Dv - full), p_step);
+  }
+}
+
+/// o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `rows` rows, V packed by pack_values (chunks `chunk_stride`
+/// floats apart), p[r][j] at p[r·ldp + j·p_step]: pv_strip's sums for a whole block of rows, chunk by chunk. Every
+/// strip of kStrip rows passes over one chunk (keys × kChunk floats) before the next, so the chunk is read from L1
+/// while the block's other operands stream; pv_strip, strip by strip, would stream every chunk once per strip. Each
+/// element's sum runs over the keys in the same order as pv_strip's: the same bits.
+template <class Tag>
+inline void pv_block(const float* p, Index ldp, Index p_step, const float* v, Index chunk_stride, Index keys, float* o,
+                     Index ldo, Index rows, Index Dv) noexcept {
+  constexpr Index kChunk = FusedTiles<Tag>::kChunk;
+  constexpr Index kStrip = FusedTiles<Tag>::kStrip;
+  for (Index c = 0; c < Dv; c += kChunk) {
+    const float* chunk = v + c / kChunk * chunk_stride;
+    const int width = static_cast<int>(std::min(kChunk, Dv - c));
+    for (Index r0 = 0; r0 < rows; r0 += kStrip) {
+      dispatch_rows(std::min(kStrip, rows - r0), [&](auto rows_constant) {
+        constexpr int kR = decltype(rows_constant)::value;
+        if (width == kChunk) {
+          pv_chunk<Tag, kR>(p + r0 * ldp, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo, p_step);
+        } else {
+          pv_chunk_tail<Tag, kR>(p + r0 * ldp, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo, width, p_step);
+        }
+      });
+    }
   }
 }
 
