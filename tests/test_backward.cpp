@@ -36,10 +36,10 @@
 #include "brute_force.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
+#include "support/backward_call.hpp"
 #include "support/counting_allocator.hpp"
 #include "support/expect_shape_error.hpp"
 #include "support/plain_backward.hpp"
-#include "support/backward_call.hpp"
 #include "support/problem.hpp"
 
 namespace {
@@ -528,6 +528,37 @@ TEST(FusedBackward, WithinTheAccuracyRuleOnARandomizedGrid) {
 
 TEST(FusedBackward, WithinTheAccuracyRuleOnEveryOption) {
   for (const Case& c : option_cases()) expect_fused_within_rule(c);
+}
+
+TEST(FusedBackward, IndexOnlyMasksWithTwoRunsOfVisibleKeys) {
+  // Tiles whose mask is index rules only take the vector loops over each row's visible keys, at most two runs (the
+  // global prefix and the band): here both runs are longer than 16 lanes, start and end off the lane grid, and are
+  // clipped by the tile edges, padding and the alignment; on the native and the emulated 16-lane kernel.
+  std::vector<Case> cases;
+  cases.push_back(
+      make_case("causal, window, global tokens", shape_of(1, 4, 2, 150, 150, 24, 20), 301, [](brute::Params& p) {
+        p.causal = true;
+        p.window_left = 37;
+        p.global_tokens = 19;
+      }));
+  cases.push_back(make_case("two-sided window, global tokens, key lengths", shape_of(2, 2, 1, 90, 141, 17, 17), 302,
+                            [](brute::Params& p) {
+                              p.window_left = 21;
+                              p.window_right = 30;
+                              p.global_tokens = 35;
+                              p.key_lengths = {141, 100};
+                            }));
+  cases.push_back(
+      make_case("causal top-left, global tokens", shape_of(1, 2, 2, 70, 200, 16, 16), 303, [](brute::Params& p) {
+        p.causal = true;
+        p.alignment = brute::Alignment::top_left;
+        p.window_left = 50;
+        p.global_tokens = 23;
+      }));
+  for (const Case& c : cases) {
+    expect_fused_within_rule(c);
+    if (std::getenv("QKV_SKIP_EMULATED") == nullptr) expect_fused_within_rule(c, /*emulated=*/true);
+  }
 }
 
 TEST(FusedBackwardEmulated16, WithinTheAccuracyRuleOnTheGridAndEveryOption) {

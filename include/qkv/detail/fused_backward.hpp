@@ -90,8 +90,8 @@ struct BackwardTiles {
 struct BackwardScratch {
   AlignedBuffer k_panels, k_chunks, v_panels, q_chunks, do_chunks;  ///< the task's packed operands
   AlignedBuffer delta, dq;                                          ///< D_i and dQ of the task's G·Sq rows
-  AlignedBuffer s, dp, p_kept, pt, dst, factor, dk,
-      dv;  ///< one block's buffers (P̃ with dropout; the transposes on the exact path) and the key tile's
+  /// One block's buffers (P̃ with dropout; the transposes on the exact path) and the key tile's dK and dV.
+  AlignedBuffer s, dp, p_kept, pt, dst, factor, dk, dv;
   std::vector<HeadMask<float>> masks;  ///< the task's G head masks
 };
 

@@ -101,7 +101,7 @@ inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
 /// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of kChunk
 /// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail. p[r][j] at p[r·ldp + j·p_step]
-/// (the backward's Pᵀ and dSᵀ are read in place from P and dS: ldp = 1, p_step = their row stride).
+/// (p_step ≠ 1: a transposed left operand read in place, as the backward's pv_block calls do).
 template <class Tag, int R>
 inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
                      Index Dv, Index p_step = 1) noexcept {
