@@ -26,13 +26,6 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// Prefetches the first n elements of row p (one hint per 64-byte line).
-template <class S>
-inline void prefetch_row(const S* p, Index n) noexcept {
-  constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
-  for (Index d = 0; d < n; d += kPerLine) simd::prefetch(p + d);
-}
-
 /// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
 /// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
 /// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R

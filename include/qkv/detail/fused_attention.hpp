@@ -338,7 +338,7 @@ class FusedAttention {
         const Index keys = std::min(sub_keys, n - jb);
         if (grouped) {
           const Index ahead = std::min(keys, range.end - (j0 + jb + kAhead));
-          for (Index j = 0; j < ahead; ++j) prefetch_row(k_tile + (jb + kAhead + j) * ldk, k_span);
+          for (Index j = 0; j < ahead; ++j) simd::prefetch_row(k_tile + (jb + kAhead + j) * ldk, k_span);
         }
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
@@ -368,7 +368,7 @@ class FusedAttention {
           const Index keys = std::min(sub_keys, n - jb);
           if (grouped) {
             const Index ahead = std::min(keys, range.end - (j0 + jb + kAhead));
-            for (Index j = 0; j < ahead; ++j) prefetch_row(v_tile + (jb + kAhead + j) * ldv, v_span);
+            for (Index j = 0; j < ahead; ++j) simd::prefetch_row(v_tile + (jb + kAhead + j) * ldv, v_span);
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;

@@ -301,11 +301,19 @@ class FusedBackward {
     float* dq = s.dq.data() + (g * sq + i0) * D;
     const Index panels = (n + kPanel - 1) / kPanel;
 
-    // S = Q_blk · K_tileᵀ and dP = dO_blk · V_tileᵀ over the packed panels.
+    // S = Q_blk · K_tileᵀ and dP = dO_blk · V_tileᵀ over the packed panels. A strip's panels also prefetch the next
+    // strip's rows of Q and dO, a share per panel: every key tile reads them again from L3 or memory, and the hardware
+    // prefetchers lose the strip's interleaved row streams where the next strip starts
+    // (bench/README.md, "Backward prefetch").
     for (Index r0 = 0; r0 < R; r0 += kStrip) {
+      const Index next = r0 + kStrip, next_end = std::min(next + kStrip, R);
       dispatch_rows(std::min<Index>(kStrip, R - r0), [&](auto rows_constant) {
         constexpr int kR = decltype(rows_constant)::value;
         for (Index p = 0; p < panels; ++p) {
+          for (Index r = next + p; r < next_end; r += panels) {
+            simd::prefetch_row(q_rows + r * q_.stride(2), D);
+            if (Dv > 0) simd::prefetch_row(do_rows + r * d_out_.stride(2), Dv);
+          }
           qk_panel<Tag, kR>(q_rows + r0 * q_.stride(2), q_.stride(2),
                             s.k_panels.data() + (j0 / kPanel + p) * D * kPanel, D, S + r0 * ld + p * kPanel, ld);
           if (Dv > 0) {
@@ -343,7 +351,23 @@ class FusedBackward {
       }
       for (; j < e; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
     };
+    // The block's Q and dO chunks, packed on their own (pack_task): R·kChunk floats from one chunk to the next.
+    const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
+    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * round_up(D, kChunk);
+    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * round_up(Dv, kChunk);
+    // pv_block below reads the block's Q and dO chunks and its rows of dQ, from L3 or memory once per key tile: the
+    // row loop prefetches them, a share per row, so they arrive while the exponentials run.
+    const auto prefetch_share = [R](const float* data, Index floats, Index r) {
+      constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(float));
+      const Index lines = (floats + kPerLine - 1) / kPerLine;
+      for (Index line = lines * r / R; line < lines * (r + 1) / R; ++line) simd::prefetch(data + line * kPerLine);
+    };
     for (Index r = 0; r < R; ++r) {
+      if (!exact) {
+        prefetch_share(q_chunks, R * round_up(D, kChunk), r);
+        prefetch_share(do_chunks, R * round_up(Dv, kChunk), r);
+        prefetch_share(dq, R * D, r);
+      }
       const Index i = i0 + r;
       const float lse = lse_(vb, h, q_row0 + i);
       float* p_row = S + r * ld;
@@ -429,11 +453,7 @@ class FusedBackward {
     }
     const float* P_used = dropout ? P_kept : S;
 
-    const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
-    // The block's Q and dO chunks and the tile's K chunks, each packed on its own (pack_task), R·kChunk and
-    // tile_keys·kChunk floats from one chunk to the next.
-    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * round_up(D, kChunk);
-    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * round_up(Dv, kChunk);
+    // The tile's K chunks, packed on their own: tile_keys·kChunk floats from one chunk to the next.
     const float* k_chunks = s.k_chunks.data() + j0 * round_up(D, kChunk);
     const Index tile_keys = std::min(kBlockKeys, skv - j0);
     if (!exact) {

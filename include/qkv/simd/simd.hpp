@@ -4,7 +4,8 @@
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
 // reduce_sum, reduce_sum4 (four lane sums at once), exp, exp2; load_kv / load_kv_partial (stored keys or values:
-// float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and prefetch (no tag: a hint, no result).
+// float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and prefetch / prefetch_row (no tag: hints, no
+// result).
 // Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different
 // flags never share a definition.
 #pragma once
@@ -29,6 +30,13 @@ inline void prefetch(const void* p) noexcept {
 #else
   (void)p;
 #endif
+}
+
+/// Hints that the first n elements of row p will be read soon: prefetch() once per 64-byte line.
+template <class S>
+inline void prefetch_row(const S* p, Index n) noexcept {
+  constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+  for (Index d = 0; d < n; d += kPerLine) prefetch(p + d);
 }
 
 /// The float value of a stored key or value, exact for every storage type (Eigen's conversions: a 16-bit ±∞ or NaN
