@@ -125,6 +125,37 @@ void BM_FusedPrefill(benchmark::State& state) {
   set_threads(1);
 }
 
+// Prefill with dropout on the weights: B = 1, H = 8, T = Sq = Skv, D = Dv, one thread, not causal; args {T, D,
+// 100·p}. The p = 0 row runs no dropout code (BM_FusedPrefill's work); the ratio of the p > 0 row to it in the same run
+// is the cost of the mask (dropout.hpp: the Philox generator and the select). Seed and offset fixed.
+void BM_FusedPrefillDropout(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  const float p = float(state.range(2)) / 100.0f;
+  set_threads(1);
+  const auto q = random_vector(std::size_t(H * T * D), 1), k = random_vector(std::size_t(H * T * D), 2),
+             v = random_vector(std::size_t(H * T * D), 3);
+  std::vector<float> out(std::size_t(H * T * D));
+  qkv::AttentionOptions<float> options;
+  options.backend = qkv::Backend::fused;
+  options.dropout_p = p;
+  options.dropout_seed = 0x0123456789abcdefULL;
+  options.dropout_offset = 0;
+  const auto call = [&] {
+    qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                   qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
+  };
+  const double alloc_mib = allocated_mib(call);
+  for (auto _ : state) {
+    call();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = 2.0 * double(D + D) * double(T) * double(T) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["alloc_MiB"] = alloc_mib;
+  state.SetLabel(label("fused dropout"));
+}
+
 // Prefill with 16-bit keys and values (the fused kernel converts them while packing): B = 1, H = 8, T = Sq = Skv,
 // D = Dv, one thread, not causal; args {T, D, storage} (1 = half, 2 = bfloat16). Compare with BM_FusedPrefill's
 // float row of the same T and D in the same run.
@@ -396,6 +427,11 @@ BENCHMARK(BM_EigenSgemm)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_FusedPrefill)
     ->Apply(prefill_args)
     ->ArgNames({"T", "D", "causal", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_FusedPrefillDropout)
+    ->ArgsProduct({{1024}, {64, 128}, {0, 10}})
+    ->ArgNames({"T", "D", "p100"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_FusedPrefillKV16)

@@ -563,7 +563,7 @@ TEST(FusedBackward, IndexOnlyMasksWithTwoRunsOfVisibleKeys) {
 
 TEST(FusedBackwardEmulated16, WithinTheAccuracyRuleOnTheGridAndEveryOption) {
   // The fused backward on the emulated 16-lane tag (support/emulated_tag.hpp): AVX-512's tile shapes (64-key panels
-  // and chunks, one panel per key tile, 16-lane tails) on any CPU, held to the same rule as the native kernel.
+  // and chunks, two panels per key tile, 16-lane tails) on any CPU, held to the same rule as the native kernel.
   if (std::getenv("QKV_SKIP_EMULATED") != nullptr) GTEST_SKIP() << "QKV_SKIP_EMULATED";
   const bool full = std::getenv("QKV_BACKWARD_FULL") != nullptr;
   for (const Case& c : fused_grid(full ? 200 : 28, 2024)) expect_fused_within_rule(c, /*emulated=*/true);

@@ -1,14 +1,16 @@
 // Tests of dropout on the attention weights (qkv/dropout.hpp; AttentionOptions::dropout_p, dropout_seed,
 // dropout_offset; applied in reference.hpp, detail/fused_attention.hpp and sdpa.hpp's attention_weights).
 //
-// What is independent of what: Philox against Random123's published known answers; DropoutRule::apply_row against
-// keep() one weight at a time; the forward against a float64 expectation built here from brute_force.hpp's (undropped)
-// weights and DropoutRule::keep, and the fused kernels against it by docs/design.md's accuracy rule, with a plain float
-// implementation with dropout (written below on brute_force.hpp's visibility and scores) as the yardstick. The mask's
-// independence of tiles, threads, kernels and varlen packing is checked on the mask itself: with V the identity
-// (Dv = Skv), out is the dropped weight matrix, so its zeros are the mask, compared exactly.
-// Statistics with fixed seeds: the kept fraction over ≥ 10^6 weights within 4σ of 1 − p, E[out] over offsets within 4σ
-// of the undropped out (σ from the samples).
+// What is independent of what: Philox against Random123's published known answers, and its 32-counter batch
+// (detail::philox4x32_10_lanes) against it lane by lane; DropoutRule::apply_row against keep() one weight at a time,
+// and bit for bit against dropout.hpp's keying comment evaluated here with philox4x32_10 alone (random positions up to
+// 2^62, every row length 0 … 200 at every alignment, NaN and ±∞ in the rows); the forward against a float64 expectation
+// built here from brute_force.hpp's (undropped) weights and DropoutRule::keep, and the fused kernels against it by
+// docs/design.md's accuracy rule, with a plain float implementation with dropout (written below on brute_force.hpp's
+// visibility and scores) as the yardstick. The mask's independence of tiles, threads, kernels and varlen packing is
+// checked on the mask itself: with V the identity (Dv = Skv), out is the dropped weight matrix, so its zeros are the
+// mask, compared exactly. Statistics with fixed seeds: the kept fraction over ≥ 10^6 weights within 4σ of 1 − p, E[out]
+// over offsets within 4σ of the undropped out (σ from the samples).
 #include "support/run_fused_with.hpp"  // first: before the qkv headers (support/emulated_tag.hpp says why)
 // The line above must stay before the qkv headers below.
 #include <gtest/gtest.h>
@@ -116,6 +118,160 @@ TYPED_TEST(DropoutRuleTyped, ApplyRowIsKeepAtEveryAlignment) {
   std::vector<T> ones(37, T(1));
   all.apply_row(1, 1, 1, 3, 37, ones.data());
   for (T x : ones) EXPECT_EQ(x, T(0));
+}
+
+TEST(Philox, LanesAreTheScalarFunctionLaneByLane) {
+  // detail::philox4x32_10_lanes: words[4·l + w] = word w of philox4x32_10((first[0] + l mod 2^32, first[1 … 3]), key),
+  // also where word 0 wraps past 2^32 − 1 inside the batch.
+  std::mt19937_64 rng(20);
+  std::array<std::uint32_t, 4 * qkv::detail::kPhiloxLanes> words;
+  for (const std::uint32_t first0 : {0u, 1u, 0x7fffffffu, 0xffffffffu - 5u, 0xffffffffu, 0x9e3779b9u}) {
+    const Word4 first{first0, static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng()),
+                      static_cast<std::uint32_t>(rng())};
+    const std::array<std::uint32_t, 2> key{static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng())};
+    qkv::detail::philox4x32_10_lanes(first, key, words);
+    for (std::size_t l = 0; l < qkv::detail::kPhiloxLanes; ++l) {
+      const Word4 expected =
+          qkv::philox4x32_10({first0 + static_cast<std::uint32_t>(l), first[1], first[2], first[3]}, key);
+      for (std::size_t w = 0; w < 4; ++w)
+        ASSERT_EQ(words[4 * l + w], expected[w]) << "first[0] " << first0 << ", lane " << l;
+    }
+  }
+}
+
+/// lo32 / hi32 of dropout.hpp's keying comment.
+std::uint32_t lo32(std::uint64_t x) { return static_cast<std::uint32_t>(x); }
+std::uint32_t hi32(std::uint64_t x) { return static_cast<std::uint32_t>(x >> 32); }
+
+/// One row of apply_row's arguments.
+struct RowCall {
+  double p;  // as T rounds it
+  std::uint64_t seed, offset;
+  Index sequence, h, i, j_begin, n;
+};
+
+/// apply_row's result on `row`, one weight at a time, straight from dropout.hpp's keying comment with
+/// qkv::philox4x32_10 (neither DropoutRule::keep nor its counter): stream key (s0, s1) = words 0–1 of
+/// philox((lo32 offset, hi32 offset, 0, 0), (lo32 seed, hi32 seed)); u = word (j mod 4) of
+/// philox((lo32(j / 4), lo32 i, lo32 h, lo32 sequence), (s0, s1)); kept iff u < round((1 − p)·2^32), then
+/// row[t]·scale, else +0. scale = 1/(1 − p) rounded to T when U = T, computed in U = double otherwise.
+template <class T, class U>
+std::vector<U> documented_apply_row(const RowCall& c, std::vector<U> row) {
+  const Word4 stream = qkv::philox4x32_10({lo32(c.offset), hi32(c.offset), 0u, 0u}, {lo32(c.seed), hi32(c.seed)});
+  const std::uint64_t threshold = static_cast<std::uint64_t>(std::llround((1.0 - c.p) * 4294967296.0));
+  const T p = static_cast<T>(c.p);
+  const U scale = !(p < T(1))            ? U(1)
+                  : std::is_same_v<U, T> ? static_cast<U>(T(1) / (T(1) - p))
+                                         : U(1) / (U(1) - static_cast<U>(p));
+  for (Index t = 0; t < c.n; ++t) {
+    const std::uint64_t j = static_cast<std::uint64_t>(c.j_begin) + static_cast<std::uint64_t>(t);
+    const Word4 words =
+        qkv::philox4x32_10({lo32(j / 4), lo32(static_cast<std::uint64_t>(c.i)), lo32(static_cast<std::uint64_t>(c.h)),
+                            lo32(static_cast<std::uint64_t>(c.sequence))},
+                           {stream[0], stream[1]});
+    U& x = row[static_cast<std::size_t>(t)];
+    x = words[j % 4] < threshold ? x * scale : U(0);
+  }
+  return row;
+}
+
+/// A row of n values of U, with NaN, ±∞, ±0 and subnormals among finite ones, and 3 sentinels past the end.
+template <class U>
+std::vector<U> poisoned_row(Index n, std::mt19937_64& rng) {
+  std::vector<U> row(static_cast<std::size_t>(n) + 3);
+  for (U& x : row) {
+    switch (rng() % 12) {
+      case 0:
+        x = std::numeric_limits<U>::quiet_NaN();
+        break;
+      case 1:
+        x = std::numeric_limits<U>::infinity();
+        break;
+      case 2:
+        x = -std::numeric_limits<U>::infinity();
+        break;
+      case 3:
+        x = U(-0.0);
+        break;
+      case 4:
+        x = std::numeric_limits<U>::denorm_min() * U(rng() % 1000);
+        break;
+      default:
+        x = static_cast<U>(std::ldexp(static_cast<double>(rng() % 2000001) - 1000000.0, -17));
+    }
+  }
+  return row;
+}
+
+/// Calls `rule.apply_row` on a poisoned row and compares every element, bit for bit (a dropped NaN must be +0, a kept
+/// NaN the product's NaN), with documented_apply_row; the sentinels past n must stay. Returns whether all agree.
+template <class T, class U>
+bool apply_row_matches_documented(const RowCall& c, std::mt19937_64& rng) {
+  const std::vector<U> input = poisoned_row<U>(c.n, rng);
+  std::vector<U> actual = input;
+  DropoutRule<T>::make(static_cast<T>(c.p), c.seed, c.offset)
+      .apply_row(c.sequence, c.h, c.i, c.j_begin, c.n, actual.data());
+  const std::vector<U> expected = documented_apply_row<T>(c, input);
+  for (std::size_t t = 0; t < actual.size(); ++t) {
+    if (std::memcmp(&actual[t], &expected[t], sizeof(U)) != 0) {
+      ADD_FAILURE() << (sizeof(T) == 4 ? "float" : "double") << " rule, " << (sizeof(U) == 4 ? "float" : "double")
+                    << " row: p " << c.p << ", seed " << c.seed << ", offset " << c.offset << ", sequence "
+                    << c.sequence << ", h " << c.h << ", i " << c.i << ", j_begin " << c.j_begin << ", n " << c.n
+                    << ": element " << t << " is " << actual[t] << ", expected " << expected[t] << " (input "
+                    << input[t] << ")";
+      return false;
+    }
+  }
+  return true;
+}
+
+TYPED_TEST(DropoutRuleTyped, ApplyRowIsTheDocumentedKeyingBitForBit) {
+  // apply_row (a scalar call for the unaligned head, batches of 32 counters for chunks of up to 128 keys, scalar calls
+  // for a short tail) against the keying comment evaluated one weight at a time. Every n in 0 … 200 at every j_begin
+  // mod 8 exercises each chunk length and alignment; random calls add large positions: j_begin just below a multiple
+  // of 2^34 (word 0 of the counter, lo32(j / 4), wraps inside a batch), near 2^32, and anywhere below 2^62, with
+  // 64-bit seeds, offsets, sequences, heads and queries. Float rules on float and double rows (the reference path's),
+  // double rules on double rows.
+  using T = TypeParam;
+  std::mt19937_64 rng(sizeof(T) == 4 ? 41 : 42);
+  const double probabilities[] = {0.0, 1e-12, 0.1, 0.375, 0.5, 0.9, 1.0};  // 1e-12: threshold 2^32, all kept
+  const auto random_call = [&](Index j_begin, Index n) {
+    RowCall c;
+    c.p = static_cast<double>(static_cast<T>(probabilities[rng() % 7]));
+    c.seed = rng();
+    c.offset = rng() % 2 ? rng() % 16 : rng();
+    c.sequence = static_cast<Index>(rng() % 2 ? rng() % 8 : rng() >> 2);
+    c.h = static_cast<Index>(rng() % 2 ? rng() % 64 : rng() >> 2);
+    c.i = static_cast<Index>(rng() % 2 ? rng() % 100000 : rng() >> 2);
+    c.j_begin = j_begin;
+    c.n = n;
+    return c;
+  };
+  const auto check = [&](const RowCall& c) {
+    bool ok = apply_row_matches_documented<T, T>(c, rng);
+    if constexpr (std::is_same_v<T, float>) ok = apply_row_matches_documented<T, double>(c, rng) && ok;
+    return ok;
+  };
+  for (Index j_begin = 0; j_begin < 8; ++j_begin)
+    for (Index n = 0; n <= 200; ++n) ASSERT_TRUE(check(random_call(j_begin, n)));
+  for (int trial = 0; trial < 3000; ++trial) {
+    Index j_begin = 0;
+    switch (trial % 4) {
+      case 0:
+        j_begin = static_cast<Index>(rng() % 8);
+        break;
+      case 1:
+        j_begin = static_cast<Index>((std::uint64_t(1) << 34) * (1 + rng() % 8) - rng() % 600);
+        break;
+      case 2:
+        j_begin = static_cast<Index>((std::uint64_t(1) << 32) - 300 + rng() % 600);
+        break;
+      default:
+        j_begin = static_cast<Index>(rng() >> 2);
+        break;
+    }
+    ASSERT_TRUE(check(random_call(j_begin, static_cast<Index>(rng() % 201))));
+  }
 }
 
 /// The kept fraction of 4 sequences × 4 heads × 256 queries × 256 keys = 2^20 weights.

@@ -75,13 +75,17 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 
 /// Tile sizes of the fused backward: key tiles of kBlockKeys (a multiple of every kPanel: 16 keys on AVX2, 64 on
 /// AVX-512) and query blocks of kBlockRows rows. A block's five R × n buffers (S/P, dP/dS, P̃, and the transposes)
-/// are 16 KiB each at 64 × 64, and dK_tile, dV_tile 32 KiB each at D = 128: the block's working set stays in L2.
+/// are 32 KiB each at 64 × 128, and dK_tile, dV_tile 64 KiB each at D = 128: the block's working set stays in L2.
+/// Every key tile reads the task's Q, dO and dQ again, so wider tiles read them less often: 128 keys took 0.89–0.93
+/// of 64's time at D = 128 on the Zen 3 (bench/README.md, "Backward prefetch"; 32 and 256 were slower). Unmasked,
+/// the tile changes no bits (each key's dK and dV and each row's dQ sum their terms in the same order for any tile);
+/// masked, it moves the boundary tiles, whose weights are computed element by element.
 template <class Tag>
 struct BackwardTiles {
   static constexpr int kPanel = FusedTiles<Tag>::kPanel;
   static constexpr int kChunk = FusedTiles<Tag>::kChunk;
   static constexpr int kStrip = FusedTiles<Tag>::kStrip;
-  static constexpr Index kBlockKeys = 64;
+  static constexpr Index kBlockKeys = 128;
   static constexpr Index kBlockRows = 64;
   static_assert(kBlockKeys % kPanel == 0, "qkv: kBlockKeys must be a multiple of the panel width");
 };
