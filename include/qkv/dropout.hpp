@@ -64,54 +64,15 @@ inline constexpr std::size_t kPhiloxLanes = 32;
 /// x86-64-v3) and 50 … 70 (either, -march=x86-64); 32 favours the AVX2 and AVX-512 builds.
 inline constexpr std::size_t kMinBatchKeys = 32;
 
-/// Philox 4×32-10 of kPhiloxLanes counters that differ only in word 0, run through the ten rounds together:
-///
-///     words[4·l + w] = word w of philox4x32_10((first[0] + l mod 2^32, first[1], first[2], first[3]), key)
-///
-/// for lane l in [0, kPhiloxLanes) and w in [0, 4): the words of the 4·kPhiloxLanes keys of a row from key
-/// 4·first[0] on, in key order (DropoutRule's keying). Bit for bit the scalar function's, lane by lane.
-/// How: the state is four arrays of uint32 (word n of every lane in array n), each round one plain loop over the
-/// lanes, the high words from 64-bit products of 32-bit operands, so that compilers vectorize the rounds: no
-/// intrinsics, nothing ISA-specific, the same bits whatever the flags. Checked in the assembly: g++ 12 and clang++ 14,
-/// -O2 and -O3, -march=x86-64, x86-64-v3 and x86-64-v4 all vectorize the round loop, with (v)pmuludq for the high
-/// words (g++ at x86-64-v4 zero-extends to 64-bit lanes and uses vpmullq instead). The low word is written as the
-/// 32-bit product (equal to the low half of the 64-bit one): one vpmulld from SSE4.1 on (SSE2 builds it from two
-/// pmuludq), where re-packing the 64-bit products costs several shuffles. With the select of `DropoutRule::apply_row`
-/// on rows of 256 keys, measured on an AMD EPYC (Zen 3) against one scalar call per 4 keys: 2.7–3.7× (g++ 12) and
-/// 3.7–6.5× (clang++ 14) faster at -march=x86-64-v3, 1.1–2× at -march=x86-64 (-O2 and -O3).
-/// Complexity: 20·kPhiloxLanes 32 × 32-bit multiplications (the scalar function's per counter), 512 bytes of state on
-/// the stack; no allocation; thread-safe (a pure function). Throws nothing.
-inline void philox4x32_10_lanes(const std::array<std::uint32_t, 4>& first, const std::array<std::uint32_t, 2>& key,
-                                std::array<std::uint32_t, 4 * kPhiloxLanes>& words) noexcept {
-  constexpr std::uint32_t kMultiplier0 = 0xD2511F53u, kMultiplier1 = 0xCD9E8D57u;
-  constexpr std::uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-  constexpr std::size_t kLanes = kPhiloxLanes;
-  std::uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-  for (std::size_t l = 0; l < kLanes; ++l) {
-    c0[l] = first[0] + static_cast<std::uint32_t>(l);
-    c1[l] = first[1];
-    c2[l] = first[2];
-    c3[l] = first[3];
-  }
-  std::uint32_t k0 = key[0], k1 = key[1];
-  for (int round = 0; round < 10; ++round) {
-    for (std::size_t l = 0; l < kLanes; ++l) {
-      const std::uint32_t a = c0[l], b = c2[l];
-      c0[l] = static_cast<std::uint32_t>((std::uint64_t(kMultiplier1) * b) >> 32) ^ c1[l] ^ k0;
-      c1[l] = kMultiplier1 * b;
-      c2[l] = static_cast<std::uint32_t>((std::uint64_t(kMultiplier0) * a) >> 32) ^ c3[l] ^ k1;
-      c3[l] = kMultiplier0 * a;
-    }
-    k0 += kWeyl0;  // the key of the next round (after the last round: unused)
-    k1 += kWeyl1;
-  }
-  for (std::size_t l = 0; l < kLanes; ++l) {
-    words[4 * l] = c0[l];
-    words[4 * l + 1] = c1[l];
-    words[4 * l + 2] = c2[l];
-    words[4 * l + 3] = c3[l];
-  }
-}
+}  // namespace detail
+}  // namespace qkv
+
+// The vectorized generator and select, in qkv::detail for this translation unit's flags (the kernels get copies of
+// their own ISA: detail/dropout_lanes.hpp).
+#include "qkv/detail/dropout_lanes.hpp"
+
+namespace qkv {
+namespace detail {
 
 /// The dropout of one call on its attention weights, resolved once from the options (attention.hpp, resolve_params):
 /// weight p_ij of query i and key j of query head h of sequence `sequence` is kept with probability 1 − p and then
@@ -191,11 +152,13 @@ struct DropoutRule {
   /// How: the keys before the first multiple of 4 (j_begin mod 4 ≠ 0) from one scalar generator call; then chunks of
   /// 128 keys, each from one `philox4x32_10_lanes` call (32 counters together, vectorized) and a select loop; a last
   /// chunk of kMinBatchKeys … 127 keys the same way (the surplus words unused), a shorter one from one scalar call per
-  /// 4 keys. p = 1 writes zeros without drawing.
+  /// 4 keys. p = 1 writes zeros without drawing. Lanes supplies the 32-counter generator and the select: by default
+  /// detail::DropoutLanes, compiled with this translation unit's flags; a kernel passes its own ISA's copy
+  /// (detail/dropout_lanes.hpp). Every Lanes gives the same bits.
   /// Complexity: O(n): the multiplications of one generator call per 4 keys (for a last chunk of kMinBatchKeys … 127
   /// keys, of 32 calls) and one for the stream key; about 1 KiB of stack, no allocation; thread-safe (reads the rule
   /// only). Throws nothing.
-  template <class U>
+  template <class Lanes = DropoutLanes, class U>
   void apply_row(Index sequence, Index h, Index i, Index j_begin, Index n, U* row) const noexcept {
     if (n <= 0) return;
     const Stream s = stream();
@@ -222,24 +185,19 @@ struct DropoutRule {
       }
       return t;
     };
-    // row[t … t + m) from words[0 … m), m ≤ 128: scaled, then selected (two loops: g++ does not if-convert a
-    // multiplication inside the select, and a dropped NaN must become 0, not NaN·0).
+    // row[t … t + m) from words[0 … m), m ≤ 128 (Lanes::select).
     std::array<std::uint32_t, 4 * kPhiloxLanes> words;
-    const auto select = [&](std::size_t t, std::size_t m) {
-      U* chunk = row + t;
-      for (std::size_t e = 0; e < m; ++e) chunk[e] *= scale;
-      for (std::size_t e = 0; e < m; ++e) chunk[e] = words[e] <= last_kept ? chunk[e] : U(0);
-    };
+    const auto select = [&](std::size_t t, std::size_t m) { Lanes::select(row + t, words.data(), m, scale, last_kept); };
     std::size_t t = 0;
     if (j0 % 4u != 0) t = scalar_group(0);
     for (; count - t >= words.size(); t += words.size()) {  // whole chunks: a constant trip count for the select
       set_group(t);
-      philox4x32_10_lanes(group_counter, s.key, words);
+      Lanes::lanes(group_counter, s.key, words);
       select(t, words.size());
     }
     if (count - t >= kMinBatchKeys) {
       set_group(t);
-      philox4x32_10_lanes(group_counter, s.key, words);
+      Lanes::lanes(group_counter, s.key, words);
       select(t, count - t);
       return;
     }

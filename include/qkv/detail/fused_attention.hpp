@@ -54,6 +54,7 @@
 #include "qkv/detail/attention_params.hpp"
 #include "qkv/detail/attention_shape.hpp"
 #include "qkv/detail/decode_kernels.hpp"
+#include "qkv/detail/dropout_lanes.hpp"
 #include "qkv/detail/fused_tiles.hpp"
 #include "qkv/detail/hidden_values.hpp"
 #include "qkv/detail/online_softmax.hpp"
@@ -395,8 +396,9 @@ class FusedAttention {
   /// positions in the sequence (global ones with global positions), never on the tile, task or thread.
   void drop_row(const FusedTask& t, Index r, Index j0, Index n, float* weights) const noexcept {
     const Index rows = t.i_end - t.i_begin;
-    params_.dropout.apply_row(t.sequence, t.h_kv * G_ + r / rows, params_.dropout_q_begin + t.i_begin + r % rows,
-                              params_.dropout_k_begin + j0, n, weights);
+    params_.dropout.apply_row<DropoutLanes>(t.sequence, t.h_kv * G_ + r / rows,
+                                            params_.dropout_q_begin + t.i_begin + r % rows,
+                                            params_.dropout_k_begin + j0, n, weights);
   }
 
   /// The end of a task: every row's (out, lse), to the output or to the task's split-K slot.

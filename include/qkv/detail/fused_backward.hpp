@@ -59,6 +59,7 @@
 #include "qkv/detail/aligned_buffer.hpp"
 #include "qkv/detail/attention_params.hpp"
 #include "qkv/detail/attention_shape.hpp"
+#include "qkv/detail/dropout_lanes.hpp"
 #include "qkv/detail/fused_tiles.hpp"
 #include "qkv/detail/hidden_values.hpp"
 #include "qkv/detail/pack.hpp"
@@ -74,12 +75,13 @@ inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// Tile sizes of the fused backward: key tiles of kBlockKeys (a multiple of every kPanel: 16 keys on AVX2, 64 on
-/// AVX-512) and query blocks of kBlockRows rows. A block's five R × n buffers (S/P, dP/dS, P̃, and the transposes)
-/// are 32 KiB each at 64 × 128, and dK_tile, dV_tile 64 KiB each at D = 128: the block's working set stays in L2.
-/// Every key tile reads the task's Q, dO and dQ again, so wider tiles read them less often: 128 keys took 0.89–0.93
-/// of 64's time at D = 128 on the Zen 3 (bench/README.md, "Backward prefetch"; 32 and 256 were slower). Unmasked,
-/// the tile changes no bits (each key's dK and dV and each row's dQ sum their terms in the same order for any tile);
-/// masked, it moves the boundary tiles, whose weights are computed element by element.
+/// AVX-512) and query blocks of kBlockRows rows. A block's six R × n buffers (S/P, dP/dS, P̃, softcap′ and the two
+/// transposes) are 32 KiB each at 64 × 128, and dK_tile, dV_tile 64 KiB each at D = 128: the block's working set stays
+/// in L2. Every key tile reads the task's Q, dO and dQ again, so wider tiles read them less often: 128 keys took
+/// 0.89–0.94 of 64's time at D = 128 on the Zen 3 (bench/README.md, "Backward prefetch"; 32 and 256 were slower).
+/// Unmasked, the tile changes no bits (each key's dK and dV and each row's dQ sum their terms in the same order for
+/// any tile); masked, it can: the boundary tiles move, and a row's vector runs of visible keys are clipped at other
+/// tile edges, so other keys take the scalar tail.
 template <class Tag>
 struct BackwardTiles {
   static constexpr int kPanel = FusedTiles<Tag>::kPanel;
@@ -428,8 +430,10 @@ class FusedBackward {
       }
       if (dropout) {  // P̃ = Z ∘ P for dV; dP ← Z ∘ dP (the same mask as the forward's: dropout.hpp)
         std::copy_n(p_row, n, P_kept + r * ld);
-        params_.dropout.apply_row(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n, P_kept + r * ld);
-        params_.dropout.apply_row(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n, ds_row);
+        params_.dropout.apply_row<DropoutLanes>(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n,
+                                                P_kept + r * ld);
+        params_.dropout.apply_row<DropoutLanes>(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n,
+                                                ds_row);
       }
       const float d_i = delta[r];
       if (exact) {
