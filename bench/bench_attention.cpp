@@ -96,17 +96,14 @@ std::vector<S> stored_as(const std::vector<float>& values) {
   return result;
 }
 
-// Prefill: B = 1, H heads, T = Sq = Skv, D = Dv; args {T, D, causal, threads}.
-void BM_FusedPrefill(benchmark::State& state) {
-  const Index T = state.range(0), D = state.range(1), H = 8;
-  const bool causal = state.range(2) != 0;
-  set_threads(static_cast<int>(state.range(3)));
+/// Times one fused prefill call per iteration under `options`: B = 1, H = 8 heads, T = Sq = Skv, D = Dv, random q,
+/// k and v, float. Counters: GFLOPS over the visible pairs (causal or not), alloc_MiB, inputs_MiB; label `name`.
+void time_fused_prefill(benchmark::State& state, Index T, Index D, const qkv::AttentionOptions<float>& options,
+                        const char* name) {
+  const Index H = 8;
   const auto q = random_vector(std::size_t(H * T * D), 1), k = random_vector(std::size_t(H * T * D), 2),
              v = random_vector(std::size_t(H * T * D), 3);
   std::vector<float> out(std::size_t(H * T * D));
-  qkv::AttentionOptions<float> options;
-  options.causal = causal;
-  options.backend = qkv::Backend::fused;
   const auto call = [&] {
     qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
                    qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
@@ -117,11 +114,20 @@ void BM_FusedPrefill(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  const double flops = 2.0 * double(D + D) * visible_pairs(T, T, causal) * double(H);
+  const double flops = 2.0 * double(D + D) * visible_pairs(T, T, options.causal) * double(H);
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["alloc_MiB"] = alloc_mib;
   state.counters["inputs_MiB"] = 4.0 * double(H * T * D) * sizeof(float) / (1024.0 * 1024.0);
-  state.SetLabel(label("fused"));
+  state.SetLabel(label(name));
+}
+
+// Prefill: B = 1, H = 8, T = Sq = Skv, D = Dv; args {T, D, causal, threads}.
+void BM_FusedPrefill(benchmark::State& state) {
+  set_threads(static_cast<int>(state.range(3)));
+  qkv::AttentionOptions<float> options;
+  options.causal = state.range(2) != 0;
+  options.backend = qkv::Backend::fused;
+  time_fused_prefill(state, state.range(0), state.range(1), options, "fused");
   set_threads(1);
 }
 
@@ -129,31 +135,13 @@ void BM_FusedPrefill(benchmark::State& state) {
 // 100·p}. The p = 0 row runs no dropout code (BM_FusedPrefill's work); the ratio of the p > 0 row to it in the same run
 // is the cost of the mask (dropout.hpp: the Philox generator and the select). Seed and offset fixed.
 void BM_FusedPrefillDropout(benchmark::State& state) {
-  const Index T = state.range(0), D = state.range(1), H = 8;
-  const float p = float(state.range(2)) / 100.0f;
   set_threads(1);
-  const auto q = random_vector(std::size_t(H * T * D), 1), k = random_vector(std::size_t(H * T * D), 2),
-             v = random_vector(std::size_t(H * T * D), 3);
-  std::vector<float> out(std::size_t(H * T * D));
   qkv::AttentionOptions<float> options;
   options.backend = qkv::Backend::fused;
-  options.dropout_p = p;
+  options.dropout_p = float(state.range(2)) / 100.0f;
   options.dropout_seed = 0x0123456789abcdefULL;
   options.dropout_offset = 0;
-  const auto call = [&] {
-    qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
-                   qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), options);
-  };
-  const double alloc_mib = allocated_mib(call);
-  for (auto _ : state) {
-    call();
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
-  const double flops = 2.0 * double(D + D) * double(T) * double(T) * double(H);
-  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["alloc_MiB"] = alloc_mib;
-  state.SetLabel(label("fused dropout"));
+  time_fused_prefill(state, state.range(0), state.range(1), options, "fused dropout");
 }
 
 // Prefill with 16-bit keys and values (the fused kernel converts them while packing): B = 1, H = 8, T = Sq = Skv,

@@ -190,7 +190,7 @@ struct DropoutRule {
     const auto select = [&](std::size_t t, std::size_t m) { Lanes::select(row + t, words.data(), m, scale, last_kept); };
     std::size_t t = 0;
     if (j0 % 4u != 0) t = scalar_group(0);
-    for (; count - t >= words.size(); t += words.size()) {  // whole chunks: a constant trip count for the select
+    for (; count - t >= words.size(); t += words.size()) {  // whole chunks of 128 keys
       set_group(t);
       Lanes::lanes(group_counter, s.key, words);
       select(t, words.size());
