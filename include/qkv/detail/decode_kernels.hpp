@@ -17,6 +17,8 @@
 #define QKV_DETAIL_DECODE_KERNELS_HPP
 #endif
 
+#include <algorithm>
+
 #include "qkv/config.hpp"
 #include "qkv/detail/fused_tiles.hpp"
 #include "qkv/simd/simd.hpp"
@@ -26,21 +28,59 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
+/// The cache lines of `rows` whole key rows of token-major K or V (`span` elements from each row's start, rows `ld`
+/// apart), in memory order, prefetched `per_step` at a time from inside the decoding micro-kernels (one `issue` per
+/// step of keys): a grouped decoding task (fused_attention.hpp) paces the next sub-block's prefetches over the
+/// current one's arithmetic. Issued in one burst before the arithmetic, they filled the miss queue and stalled it:
+/// bench/README.md, "Paced prefetch in token-major decode". Complexity: O(1) per line; throws nothing.
+template <class S>
+struct PrefetchCursor {
+  static constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+  const S* row = nullptr;
+  Index ld = 0, per_row = 1, line = 0, left = 0, per_step = 0;
+
+  PrefetchCursor() = default;
+  /// The lines of rows [first, first + rows·ld), `span` elements of each (none if rows ≤ 0), over `steps` issues.
+  PrefetchCursor(const S* first, Index ld_, Index rows, Index span, Index steps) noexcept
+      : row(first), ld(ld_), per_row((span + kPerLine - 1) / kPerLine) {
+    left = rows > 0 ? rows * per_row : 0;
+    per_step = (left + std::max<Index>(steps, 1) - 1) / std::max<Index>(steps, 1);
+  }
+  /// The next per_step lines (fewer at the end).
+  void issue() noexcept { issue(per_step); }
+  /// The next `count` lines (fewer at the end); issue(left) flushes the rest.
+  void issue(Index count) noexcept {
+    for (; count > 0 && left > 0; --count, --left) {
+      simd::prefetch(row + line * kPerLine);
+      if (++line == per_row) {
+        line = 0;
+        row += ld;
+      }
+    }
+  }
+};
+
+/// Keys per step of qk_in_place (its NK) and of pv_in_place: what a PrefetchCursor's steps count.
+template <class Tag>
+inline constexpr Index kQkKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
+inline constexpr Index kPvKeysPerStep = 2;
+
 /// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
 /// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
 /// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
 /// rows of q, accumulating vertically over d; the R × NK sums are then reduced four at a time by a transposing
 /// reduction (reduce_sum4), not one horizontal reduction per (row, key). D tails by masked loads, so nothing past
 /// a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half or Eigen::bfloat16) and
-/// converted to float as it is loaded (simd::load_kv): q is never rounded.
+/// converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given, issues its share of
+/// prefetches once per step of NK keys.
 template <class Tag, int R, class S>
-inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s,
-                        Index lds) noexcept {
+inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
+                        PrefetchCursor<S>* ahead = nullptr) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
-  constexpr int NK = L >= 16 ? 4 : 2;
+  constexpr int NK = static_cast<int>(kQkKeysPerStep<Tag>);
   static_assert(R >= 1 && R <= 4, "qkv: qk_in_place takes at most 4 rows");
   const Index d_full = D / L * L;
   const int tail = static_cast<int>(D - d_full);
@@ -49,6 +89,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
     Vec acc[R * NK];
     QKV_UNROLL for (int a = 0; a < R * NK; ++a) acc[a] = zero(Tag());
     const S* key = k + j * ldk;
+    if (ahead != nullptr) ahead->issue();
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
@@ -102,9 +143,10 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// at a time: the 2·R weights sit in registers, and each acc_o vector (L1) is loaded and stored once per two keys
 /// instead of once per key. Per V line: 2 V loads, R acc_o loads and R stores, 2·R FMAs per vector. Dv tails by
 /// masked loads; an odd last key alone. V is stored as S and converted as it is loaded, like K in qk_in_place.
+/// `ahead`, if given, issues its share of prefetches once per two keys.
 template <class Tag, int R, class S>
-inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo,
-                        Index Dv) noexcept {
+inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
+                        PrefetchCursor<S>* ahead = nullptr) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
@@ -116,6 +158,7 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
   for (; j + 2 <= keys; j += 2) {
     const S* v0 = v + j * ldv;
     const S* v1 = v0 + ldv;
+    if (ahead != nullptr) ahead->issue();
     if (j + kDecodePrefetchKeys + 2 <= keys) {
       prefetch_row(v0 + kDecodePrefetchKeys * ldv, Dv);
       prefetch_row(v1 + kDecodePrefetchKeys * ldv, Dv);

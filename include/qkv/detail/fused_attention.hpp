@@ -302,8 +302,9 @@ class FusedAttention {
   /// pass over the block's K, its scores and softmax step, then one pass over its V, so that each pass streams a
   /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, the
   /// row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks. A task of several kv heads
-  /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows,
-  /// prefetching the rows kDecodeGroupPrefetchKeys ahead, so that K and V stream as contiguous memory.
+  /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
+  /// that K and V stream as contiguous memory, and prefetches the whole rows kDecodeGroupPrefetchKeys ahead from
+  /// inside the micro-kernels, a few lines per step (PrefetchCursor), paced over the sub-block's arithmetic.
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
@@ -327,6 +328,10 @@ class FusedAttention {
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kAhead = Tiles::kDecodeGroupPrefetchKeys;
+    constexpr Index kQkStep = kQkKeysPerStep<Tag>, kPvStep = kPvKeysPerStep;
+    const Index row_groups = (GR + 3) / 4;  // micro-kernel calls per kv head and sub-block
+    // Rows of the sub-block of `keys` rows kAhead rows past key j (none past the task's keys).
+    const auto ahead_rows = [&](Index j, Index keys) { return std::min(keys, range.end - (j + kAhead)); };
 
     for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += block) {
       const Index j1 = std::min(j0 + block, range.end);
@@ -337,19 +342,23 @@ class FusedAttention {
       const S* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
       for (Index jb = 0; jb < n; jb += sub_keys) {
         const Index keys = std::min(sub_keys, n - jb);
+        // A grouped task's prefetches of the rows kAhead ahead, paced over this sub-block's micro-kernel steps.
+        PrefetchCursor<S> k_ahead;
         if (grouped) {
-          const Index ahead = std::min(keys, range.end - (j0 + jb + kAhead));
-          for (Index j = 0; j < ahead; ++j) simd::prefetch_row(k_tile + (jb + kAhead + j) * ldk, k_span);
+          k_ahead = PrefetchCursor<S>(k_tile + (jb + kAhead) * ldk, ldk, ahead_rows(j0 + jb, keys), k_span,
+                                      t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
         }
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
           for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
             dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
               constexpr int R = std::min(4, decltype(rows_constant)::value);
-              qk_in_place<Tag, R>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
+              qk_in_place<Tag, R>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS,
+                                  grouped ? &k_ahead : nullptr);
             });
           }
         }
+        k_ahead.issue(k_ahead.left);  // what the steps left (a last odd key has no step)
       }
       const bool index_mask = visibility == TileVisibility::partial;
       finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, s.scaled);
@@ -367,19 +376,22 @@ class FusedAttention {
       if (finite) {
         for (Index jb = 0; jb < n; jb += sub_keys) {
           const Index keys = std::min(sub_keys, n - jb);
+          PrefetchCursor<S> v_ahead;
           if (grouped) {
-            const Index ahead = std::min(keys, range.end - (j0 + jb + kAhead));
-            for (Index j = 0; j < ahead; ++j) simd::prefetch_row(v_tile + (jb + kAhead + j) * ldv, v_span);
+            v_ahead = PrefetchCursor<S>(v_tile + (jb + kAhead) * ldv, ldv, ahead_rows(j0 + jb, keys), v_span,
+                                        t.n_kv * row_groups * ((keys + kPvStep - 1) / kPvStep));
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
             for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
               dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
                 constexpr int R = std::min(4, decltype(rows_constant)::value);
-                pv_in_place<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv);
+                pv_in_place<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv,
+                                    grouped ? &v_ahead : nullptr);
               });
             }
           }
+          v_ahead.issue(v_ahead.left);
         }
       } else {
         for (Index hk = 0; hk < t.n_kv; ++hk) {
