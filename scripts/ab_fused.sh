@@ -5,38 +5,55 @@
 #   bash scripts/ab_fused.sh REV_A REV_B --bits [--perturb] [NAME...] # bit identity over every case (or NAME...)
 #   bash scripts/ab_fused.sh REV_A REV_B --time NAME [rounds]         # speed of one case of the bit check
 #   bash scripts/ab_fused.sh REV_A REV_B --list                       # the case names
+#   bash scripts/ab_fused.sh REV_A REV_B --backward [T D causal rounds p] # backward speed; defaults: 4096 128 0 10 0
+#   bash scripts/ab_fused.sh REV_A REV_B --backward-bits [--perturb] [NAME...]
+#                                                                     # the backward's bit identity (or NAME...)
+#   bash scripts/ab_fused.sh REV_A REV_B --backward-list              # the backward's case names
 #
 # REV_A, REV_B: git revisions, or `.` for the working tree. --bits runs each case (a shape × an option preset; the list
 # and the reason for each are in the driver) through both versions at 1 and 2 OpenMP threads, prints one line per
 # case with the bits in which B's out and lse differ from A's, and exits 1 if any differ; --perturb flips one bit of
 # B's out and lse in every case (a self-test of the check: it must then fail on every line).
+# --backward times qkv::attention_backward (fused) of A and B alternately on one forward's out and lse (A's), B = 1,
+# H = 8, Sq = Skv = T, D = Dv (with dropout of probability p if p > 0), and prints the median time of each, the median
+# of the per-round ratios B / A and whether dQ, dK and dV are bit-identical. --backward-bits is --bits for the
+# backward: its own cases (shapes × presets, dropout among them; --backward-list names them), dQ, dK and dV of B
+# against A's at 1 and 2 OpenMP threads, exit 1 if any bit differs; --perturb flips one bit of B's dQ, dK and dV in
+# every case.
 # Environment:
 #   CXX            compiler (default clang++)
 #   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,
 #                  "-O3 -march=x86-64-v3" the AVX2 path (the run's first line names the ISA each side compiled).
-#                  --bits adds -fopenmp; the speed modes are built without it, single-threaded, as the noise rule of
-#                  bench/README.md was measured. A build whose instructions this CPU lacks (the compiler's ISA
-#                  macros against /proc/cpuinfo; -march=x86-64-v4 on an AVX2-only CPU) is compiled, not run.
+#                  --bits and --backward-bits add -fopenmp; the speed modes are built without it, single-threaded,
+#                  as the noise rule of bench/README.md was measured. A build whose instructions this CPU lacks (the
+#                  compiler's ISA macros against /proc/cpuinfo; -march=x86-64-v4 on an AVX2-only CPU) is compiled, not
+#                  run.
 #   QKV_AB_ISAS    a list of -march values, e.g. "x86-64 x86-64-v3 x86-64-v4 native": one build per ISA (flags
 #                  QKV_AB_FLAGS, default -O3, then -march=ISA), each in build/ab/isa-ISA, each run in turn (or
 #                  compiled only, as above). Exit status 1 if any run fails.
-# Needs Eigen 3.4 (libeigen3-dev), a compiler and, for --bits with clang++, libomp-dev; nothing is built by CMake.
+# Needs Eigen 3.4 (libeigen3-dev), a compiler and, for --bits and --backward-bits with clang++, libomp-dev; nothing is
+# built by CMake.
 # The driver bench/ab/ab_fused.cpp is always the working tree's: a revision whose public API differs from it (names of
-# attention, view_bhsd, view_bshd, TensorView, AttentionOptions, isa_name) will not compile.
+# attention, view_bhsd, view_bshd, TensorView, AttentionOptions, isa_name) will not compile. The backward modes also
+# need attention_backward and the dropout options (116a439 on); only they compile the driver's backward code
+# (-DQKV_AB_BACKWARD), so the other modes still build against revisions before it.
 # Examples: does the working tree beat the last commit on D = 64?   bash scripts/ab_fused.sh HEAD . 64 1024 20 0
 #           are its bits those of the last commit on every ISA?    QKV_AB_ISAS="x86-64 x86-64-v3 native" \
 #                                                                    bash scripts/ab_fused.sh HEAD . --bits
+#           is its backward faster, causal, at D = 64?             bash scripts/ab_fused.sh HEAD . --backward 4096 64 1
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 usage="usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal | --bits [--perturb] [NAME...] | --time NAME [rounds]"
-usage+=" | --list]"
+usage+=" | --list | --backward [T D causal rounds dropout_p] | --backward-bits [--perturb] [NAME...] | --backward-list]"
 rev_a=${1:?$usage}
 rev_b=${2:?$usage}
 shift 2
 args=("$@")
 ((${#args[@]})) || args=(128 1024 20 0)
 openmp=()
-[[ ${args[0]} == --bits ]] && openmp=(-fopenmp)
+[[ ${args[0]} == --bits || ${args[0]} == --backward-bits ]] && openmp=(-fopenmp)
+backward=()
+[[ ${args[0]} == --backward* ]] && backward=(-DQKV_AB_BACKWARD)
 work=build/ab
 rm -rf "$work/a" "$work/b"
 mkdir -p "$work/a" "$work/b/B"
@@ -68,7 +85,7 @@ build() {  # build OUT FLAGS...: the driver against A's and B's headers
   local out=$1 start=$SECONDS
   shift
   mkdir -p "$(dirname "$out")"
-  "${CXX:-clang++}" -std=c++17 -DNDEBUG "$@" "${openmp[@]}" -w -I"$work/a" -I"$work/b" -I"$work" \
+  "${CXX:-clang++}" -std=c++17 -DNDEBUG "$@" "${openmp[@]}" "${backward[@]}" -w -I"$work/a" -I"$work/b" -I"$work" \
     -I/usr/include/eigen3 bench/ab/ab_fused.cpp -o "$out"
   echo "built $out in $((SECONDS - start)) s"
 }

@@ -203,35 +203,42 @@ std::vector<U> poisoned_row(Index n, std::mt19937_64& rng) {
   return row;
 }
 
-/// Calls `rule.apply_row` on a poisoned row and compares every element, bit for bit (a dropped NaN must be +0, a kept
-/// NaN the product's NaN), with documented_apply_row; the sentinels past n must stay. Returns whether all agree.
+/// Calls `rule.apply_row` on a poisoned row, and its two-row form on that row and a second one, and compares every
+/// element, bit for bit (a dropped NaN must be +0, a kept NaN the product's NaN), with documented_apply_row; the
+/// sentinels past n must stay. Returns whether all agree.
 template <class T, class U>
 bool apply_row_matches_documented(const RowCall& c, std::mt19937_64& rng) {
-  const std::vector<U> input = poisoned_row<U>(c.n, rng);
-  std::vector<U> actual = input;
-  DropoutRule<T>::make(static_cast<T>(c.p), c.seed, c.offset)
-      .apply_row(c.sequence, c.h, c.i, c.j_begin, c.n, actual.data());
-  const std::vector<U> expected = documented_apply_row<T>(c, input);
-  for (std::size_t t = 0; t < actual.size(); ++t) {
-    if (std::memcmp(&actual[t], &expected[t], sizeof(U)) != 0) {
-      ADD_FAILURE() << (sizeof(T) == 4 ? "float" : "double") << " rule, " << (sizeof(U) == 4 ? "float" : "double")
-                    << " row: p " << c.p << ", seed " << c.seed << ", offset " << c.offset << ", sequence "
-                    << c.sequence << ", h " << c.h << ", i " << c.i << ", j_begin " << c.j_begin << ", n " << c.n
-                    << ": element " << t << " is " << actual[t] << ", expected " << expected[t] << " (input "
-                    << input[t] << ")";
-      return false;
+  // The one-row form on `input`, and the two-row form on `input` and `second` (the backward's P̃ and dP).
+  const std::vector<U> input = poisoned_row<U>(c.n, rng), second = poisoned_row<U>(c.n, rng);
+  const auto rule = DropoutRule<T>::make(static_cast<T>(c.p), c.seed, c.offset);
+  std::vector<U> alone = input, first_of_two = input, second_of_two = second;
+  rule.apply_row(c.sequence, c.h, c.i, c.j_begin, c.n, alone.data());
+  rule.apply_row(c.sequence, c.h, c.i, c.j_begin, c.n, first_of_two.data(), second_of_two.data());
+  const auto matches = [&](const char* form, const std::vector<U>& in, const std::vector<U>& actual) {
+    const std::vector<U> expected = documented_apply_row<T>(c, in);
+    for (std::size_t t = 0; t < actual.size(); ++t) {
+      if (std::memcmp(&actual[t], &expected[t], sizeof(U)) != 0) {
+        ADD_FAILURE() << form << ", " << (sizeof(T) == 4 ? "float" : "double") << " rule, "
+                      << (sizeof(U) == 4 ? "float" : "double") << " row: p " << c.p << ", seed " << c.seed
+                      << ", offset " << c.offset << ", sequence " << c.sequence << ", h " << c.h << ", i " << c.i
+                      << ", j_begin " << c.j_begin << ", n " << c.n << ": element " << t << " is " << actual[t]
+                      << ", expected " << expected[t] << " (input " << in[t] << ")";
+        return false;
+      }
     }
-  }
-  return true;
+    return true;
+  };
+  return matches("one row", input, alone) && matches("first of two rows", input, first_of_two) &&
+         matches("second of two rows", second, second_of_two);
 }
 
 TYPED_TEST(DropoutRuleTyped, ApplyRowIsTheDocumentedKeyingBitForBit) {
-  // apply_row (a scalar call for the unaligned head, batches of 32 counters for chunks of up to 128 keys, scalar calls
-  // for a short tail) against the keying comment evaluated one weight at a time. Every n in 0 … 200 at every j_begin
-  // mod 8 exercises each chunk length and alignment; random calls add large positions: j_begin just below a multiple
-  // of 2^34 (word 0 of the counter, lo32(j / 4), wraps inside a batch), near 2^32, and anywhere below 2^62, with
-  // 64-bit seeds, offsets, sequences, heads and queries. Float rules on float and double rows (the reference path's),
-  // double rules on double rows.
+  // apply_row, on one row and on two rows at once (a scalar call for the unaligned head, batches of 32 counters for
+  // chunks of up to 128 keys, scalar calls for a short tail) against the keying comment evaluated one weight at a time.
+  // Every n in 0 … 200 at every j_begin mod 8 exercises each chunk length and alignment; random calls add large
+  // positions: j_begin just below a multiple of 2^34 (word 0 of the counter, lo32(j / 4), wraps inside a batch), near
+  // 2^32, and anywhere below 2^62, with 64-bit seeds, offsets, sequences, heads and queries. Float rules on float and
+  // double rows (the reference path's), double rules on double rows.
   using T = TypeParam;
   std::mt19937_64 rng(sizeof(T) == 4 ? 41 : 42);
   const double probabilities[] = {0.0, 1e-12, 0.1, 0.375, 0.5, 0.9, 1.0};  // 1e-12: threshold 2^32, all kept

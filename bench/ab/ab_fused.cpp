@@ -4,7 +4,9 @@
 // compiles this file with `#define qkv qkv_b` around B's headers, so the two kernels live in the namespaces qkv and
 // qkv_b. Of the kernel's API only public names that exist at d44d50d are used (attention, view_bhsd, view_bshd,
 // TensorView, AttentionOptions, isa_name), so a revision from then on can be either side (bench/fma_loop.hpp, the
-// speed modes' peak, also reads A's qkv::simd). Modes:
+// speed modes' peak, also reads A's qkv::simd). The backward modes also call attention_backward and set the dropout
+// options, which exist from 116a439 on: they are compiled only with QKV_AB_BACKWARD defined (the script defines it
+// for those modes alone), so that the forward modes still build against older revisions. Modes:
 //
 //   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread. Calls alternate A, B (B, A on odd
 //                                  rounds) on the same inputs, each round after a register-only FMA loop, so both
@@ -25,6 +27,26 @@
 //   ab_fused --time NAME [rounds]  speed of one case (default 10 rounds, one thread), interleaved as above: best and
 //                                  median milliseconds per version, B / A, rounds B won.
 //   ab_fused --list                the case names.
+//   ab_fused --backward [T D causal rounds dropout_p]
+//                                  speed of the fused backward (defaults 4096 128 0 10 0): B = 1, H = 8, Sq = Skv = T,
+//                                  D = Dv, BHSD views, one thread; dropout_p > 0 adds dropout (the dropout case's seed
+//                                  and offset). The forward's out and lse are computed once, by A, without dropout;
+//                                  then qkv::attention_backward of A and B alternate on the same inputs as in speed
+//                                  mode (A first on even rounds), each round after the FMA loop. Prints the median
+//                                  milliseconds of each version and the median of the per-round ratios B / A (a ratio
+//                                  per round cancels the machine's drift between rounds, which a ratio of medians
+//                                  would not); how many rounds B won; whether dQ, dK and dV of A and B are
+//                                  bit-identical, and where not, the largest difference relative to max |gradient|.
+//   ab_fused --backward-bits [--perturb] [NAME...]
+//                                  bit check of the backward: every case of kBackwardShapes × kBackwardPresets (or
+//                                  those whose name contains one of NAME). Per case the forward's out and lse are
+//                                  computed once, by A at one thread, so that both backwards read the same inputs;
+//                                  then each version runs the backward at 1 and 2 OpenMP threads. One line per case
+//                                  with the bits in which B's dQ, dK and dV differ from A's, and those in which a
+//                                  2-thread call differs from the same version's 1-thread call; exits 1 if any differ.
+//                                  --perturb flips the lowest bit of B's first non-NaN dQ, dK and dV: every line must
+//                                  then read 1, 1 and 1, and the run exit 1.
+//   ab_fused --backward-list       the backward case names.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -243,6 +265,9 @@ enum class Preset {
   nan_visible,
   nan_visible_sinks,
   bias_huge_late,
+  dropout,         // backward cases only
+  dropout_causal,  // backward cases only
+  nan_window,      // backward cases only
 };
 
 struct PresetName {
@@ -290,6 +315,12 @@ struct Problem : Shape {  // the shape's B is 1 for varlen
   std::vector<float> bias;  // as `allowed`
   std::array<Index, 4> bias_extents{};
   std::vector<float> alibi_slopes, sinks;
+  // Dropout, set by the backward cases alone: make_options leaves it out, as it builds against revisions without it.
+  float dropout_p = 0;
+  std::uint64_t dropout_seed = 0, dropout_offset = 0;
+  // Whether poison_key writes its NaN and ∞. The forward cases always poison; the backward sends a task with a NaN or
+  // ∞ anywhere in its keys, hidden or not, to its exact path, so its cases poison only where they mean to test that.
+  bool poison_hidden = true;
 
   // Offset of element (b, h, s, d) of a [B, H, S, width] tensor in this problem's layout.
   Index offset(Index b, Index h, Index s, Index d, Index H, Index S, Index width) const {
@@ -305,6 +336,7 @@ struct Problem : Shape {  // the shape's B is 1 for varlen
   // NaN in K and ∞ in V at key j of every kv head of batch entry b: a slot the options hide from every query, so
   // neither may reach the output (the kernel's exactness rule; it must hold on both sides alike).
   void poison_key(Index b, Index j) {
+    if (!poison_hidden) return;
     for (Index h = 0; h < Hkv; ++h) {
       k_at(b, h, j, 0) = kNaN;
       v_at(b, h, j, Dv > 1 ? 1 : 0) = kInf;
@@ -362,9 +394,11 @@ unsigned case_seed(std::size_t s, std::size_t n) {
   return 7u * static_cast<unsigned>(s) + 31u * static_cast<unsigned>(n);
 }
 
-Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, unsigned seed) {
+Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, unsigned seed,
+                     bool poison_hidden = true) {
   Problem p;
   static_cast<Shape&>(p) = shape;
+  p.poison_hidden = poison_hidden;
   if (preset == Preset::varlen) p.B = 1;  // varlen views have batch extent 1
   // The first p.B batch entries of the base data (both layouts keep batch entry 0 at the start).
   const auto take = [&](const std::vector<float>& from, std::vector<float>& to) {
@@ -503,6 +537,21 @@ Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, un
       p.bias[static_cast<std::size_t>(((p.Hq - 1) * p.Sq + i) * p.Skv + j)] = 2.5e38f;
       break;
     }
+    case Preset::dropout:  // p = 0.1, as in training; a seed and an offset that are not 0
+    case Preset::dropout_causal:
+      p.causal = preset == Preset::dropout_causal;
+      p.dropout_p = 0.1f;
+      p.dropout_seed = 0x243f6a8885a308d3u;
+      p.dropout_offset = 7;
+      break;
+    case Preset::nan_window:  // NaN in K and ∞ in V where a causal window shows them to few rows, so that they reach
+                              // some gradients and not others (nan_visible, unmasked, makes whole kv groups NaN)
+      p.causal = true;
+      p.window_left = 63;
+      p.global_tokens = 2;
+      p.k_at(0, 0, p.Skv / 2, p.D - 1) = kNaN;
+      p.v_at(p.B - 1, p.Hkv - 1, p.Skv / 3, 0) = kInf;
+      break;
   }
   return p;
 }
@@ -720,14 +769,349 @@ int time_mode(const std::string& wanted, int rounds) {
   return 2;
 }
 
+#if defined(QKV_AB_BACKWARD)
+// ---------------------------------------------------------------------------------------------------------------------
+// The backward modes. Compiled only with QKV_AB_BACKWARD (the script defines it for them): attention_backward and the
+// dropout options exist from 116a439 on, and the forward modes must still build against older revisions.
+
+// Each version's backward entry point, beside its forward ones.
+#define QKV_AB_BACKWARD_SIDE(Side, Base, ns)              \
+  struct Side : Base {                                    \
+    template <class... Args>                              \
+    static void attention_backward(const Args&... args) { \
+      ns::attention_backward<float>(args...);             \
+    }                                                     \
+  };
+QKV_AB_BACKWARD_SIDE(BackwardA, SideA, qkv)
+QKV_AB_BACKWARD_SIDE(BackwardB, SideB, qkv_b)
+#undef QKV_AB_BACKWARD_SIDE
+
+// Gradients of one backward call, and how they differ between two calls.
+struct Gradients {
+  std::vector<float> d_q, d_k, d_v;
+};
+
+struct GradientDiff {
+  BitDiff d_q, d_k, d_v;
+  std::size_t bits() const { return d_q.bits + d_k.bits + d_v.bits; }
+  std::size_t values() const { return d_q.values + d_k.values + d_v.values; }
+  std::size_t nan_payload() const { return d_q.nan_payload + d_k.nan_payload + d_v.nan_payload; }
+  GradientDiff& operator+=(const GradientDiff& other) {
+    d_q += other.d_q;
+    d_k += other.d_k;
+    d_v += other.d_v;
+    return *this;
+  }
+};
+
+GradientDiff compare_gradients(const Gradients& x, const Gradients& y) {
+  return {compare_bits(x.d_q, y.d_q), compare_bits(x.d_k, y.d_k), compare_bits(x.d_v, y.d_v)};
+}
+
+// The largest finite |x|: the scale against which a difference of gradients is read.
+double max_abs_finite(const std::vector<float>& x) {
+  double m = 0;
+  for (float e : x)
+    if (std::isfinite(e)) m = std::max(m, double(std::fabs(e)));
+  return m;
+}
+
+// Speed of the backward: B = 1, H = 8, Sq = Skv = T, D = Dv, BHSD, one thread; out and lse from A's forward (without
+// dropout: the backward's own dropout_p applies to its weights, the forward's out and lse only feed D_i and P).
+int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p) {
+  const long H = 8;
+  const std::size_t n = static_cast<std::size_t>(H * T * D);
+  std::vector<float> q(n), k(n), v(n), d_out(n), out(n), lse(static_cast<std::size_t>(H * T));
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  for (auto* x : {&q, &k, &v, &d_out})
+    for (auto& e : *x) e = normal(rng);
+
+  set_threads(1);
+  qkv::AttentionOptions<float> options_a;
+  options_a.backend = qkv::Backend::fused;
+  options_a.causal = causal;
+  qkv_b::AttentionOptions<float> options_b;
+  options_b.backend = qkv_b::Backend::fused;
+  options_b.causal = causal;
+  qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                 qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D),
+                 qkv::TensorView3<float>(lse.data(), {1, H, T}), options_a);
+  if (dropout_p > 0) {  // the driver's dropout case's seed and offset
+    options_a.dropout_p = options_b.dropout_p = dropout_p;
+    options_a.dropout_seed = options_b.dropout_seed = 0x243f6a8885a308d3u;
+    options_a.dropout_offset = options_b.dropout_offset = 7;
+  }
+
+  Gradients a_grad{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)}, b_grad = a_grad;
+  const auto run_a = [&] {
+    qkv::attention_backward(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                            qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D),
+                            qkv::TensorView3<const float>(lse.data(), {1, H, T}),
+                            qkv::view_bhsd(d_out.data(), 1, H, T, D), qkv::view_bhsd(a_grad.d_q.data(), 1, H, T, D),
+                            qkv::view_bhsd(a_grad.d_k.data(), 1, H, T, D),
+                            qkv::view_bhsd(a_grad.d_v.data(), 1, H, T, D), options_a);
+  };
+  const auto run_b = [&] {
+    qkv_b::attention_backward(
+        qkv_b::view_bhsd(q.data(), 1, H, T, D), qkv_b::view_bhsd(k.data(), 1, H, T, D),
+        qkv_b::view_bhsd(v.data(), 1, H, T, D), qkv_b::view_bhsd(out.data(), 1, H, T, D),
+        qkv_b::TensorView3<const float>(lse.data(), {1, H, T}), qkv_b::view_bhsd(d_out.data(), 1, H, T, D),
+        qkv_b::view_bhsd(b_grad.d_q.data(), 1, H, T, D), qkv_b::view_bhsd(b_grad.d_k.data(), 1, H, T, D),
+        qkv_b::view_bhsd(b_grad.d_v.data(), 1, H, T, D), options_b);
+  };
+  const auto seconds = [&](auto&& f) {
+    const double t0 = now();
+    f();
+    return now() - t0;
+  };
+
+  run_a();  // warm-up: page faults of the gradients and of both kernels' scratch
+  run_b();
+  std::vector<double> a, b, ratio;
+  int b_faster = 0;
+  for (int r = 0; r < rounds; ++r) {
+    fma_loop_gflops();
+    interleaved_round(r, seconds, run_a, run_b, a, b);
+    ratio.push_back(b.back() / a.back());  // this round's pair, whichever ran first
+    b_faster += b.back() < a.back();
+  }
+  const auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  std::printf(
+      "backward T=%ld D=%ld causal=%d (B = 1, H = 8, BHSD), one thread, %d rounds; A = qkv (%s), B = qkv_b (%s)\n", T,
+      D, int(causal), rounds, qkv::isa_name(), qkv_b::isa_name());
+  std::printf("A median %9.3f ms\n", median(a) * 1e3);
+  std::printf("B median %9.3f ms\n", median(b) * 1e3);
+  std::printf("B / A: median of the per-round ratios %.3f (range %.3f-%.3f); B faster in %d of %d rounds\n",
+              median(ratio), *std::min_element(ratio.begin(), ratio.end()),
+              *std::max_element(ratio.begin(), ratio.end()), b_faster, rounds);
+  const GradientDiff diff = compare_gradients(a_grad, b_grad);
+  if (diff.bits() == 0) {
+    std::printf("dQ, dK, dV of A and B: bit-identical\n");
+    return 0;
+  }
+  std::printf("dQ, dK, dV of A and B differ in their bits:\n");
+  const std::pair<const char*, std::pair<const BitDiff*, const std::vector<float>*>> parts[] = {
+      {"dQ", {&diff.d_q, &a_grad.d_q}}, {"dK", {&diff.d_k, &a_grad.d_k}}, {"dV", {&diff.d_v, &a_grad.d_v}}};
+  for (const auto& [name, part] : parts) {
+    const double scale = max_abs_finite(*part.second);
+    std::printf("  %s %zu of %zu values, max finite |A - B| / max finite |A| = %.3g\n", name, part.first->values, n,
+                scale > 0 ? part.first->max_finite / scale : part.first->max_finite);
+  }
+  return 0;
+}
+
+// Backward cases: a shape × a preset. The kernel's tiles are query blocks of 64 rows and key tiles of 128 keys
+// (detail/fused_backward.hpp), its panels 16 keys on AVX2 and 64 on AVX-512: each shape is chosen for boundaries of
+// those, for GQA or MQA, for D and Dv with or without tails, and both layouts. Threads share (sequence, kv head)
+// tasks, so every shape has at least two for the 2-thread call to share.
+constexpr Shape kBackwardShapes[] = {
+    {"bwd300_gqa", 2, 8, 2, 300, 300, 64, 64, Layout::bhsd},      // 2·128 + 44 keys, 4·64 + 44 rows; GQA 4, B = 2
+    {"bwd77x300_mqa", 2, 8, 1, 77, 300, 128, 128, Layout::bshd},  // Sq < Skv, MQA, D = 128 (B = 2: a second task)
+    {"bwd300x77_d40", 1, 4, 4, 300, 77, 40, 40, Layout::bhsd},    // Sq > Skv (bottom-right causal: empty rows), D = 40
+    {"bwd256_d128", 1, 8, 2, 256, 256, 128, 128, Layout::bshd},   // whole blocks and tiles only, GQA 4, D = 128
+    // Many key tiles (1000 = 7·128 + 104) for few rows; D and Dv with tails on every ISA (81 = 5·16 + 1,
+    // 75 = 4·16 + 11 = 9·8 + 3), D ≠ Dv; GQA 3.
+    {"bwd33x1000_odd", 2, 6, 2, 33, 1000, 81, 75, Layout::bshd},
+};
+
+// Backward presets: an option preset of the forward cases (or dropout), and whether hidden keys hold NaN in K and ∞
+// in V. Index-only masks (causal, window, global tokens, key lengths) run the vector loops over each row's runs of
+// visible keys; bias, `allowed`, ALiBi and softcap the element-by-element loop; a task with any NaN or ∞ in what it
+// reads (bias_nan: a hidden poisoned key; nan_window: a NaN and an ∞ that some rows see) the exact path.
+struct BackwardPreset {
+  Preset preset;
+  const char* name;
+  bool poison_hidden;
+};
+
+constexpr BackwardPreset kBackwardPresets[] = {
+    {Preset::none, "none", false},
+    {Preset::causal_bottom_right, "causal_bottom_right", false},
+    {Preset::causal_top_left, "causal_top_left", false},
+    {Preset::window_global, "window_global", false},
+    {Preset::window_causal, "window_causal", false},
+    {Preset::key_lengths, "key_lengths", true},  // the poisoned keys are padding, which the kernel never reads
+    {Preset::bias, "bias", false},
+    {Preset::bias, "bias_nan", true},
+    {Preset::allowed, "allowed", false},
+    {Preset::alibi, "alibi", false},
+    {Preset::softcap, "softcap", false},
+    {Preset::sinks, "sinks", false},
+    {Preset::varlen, "varlen", false},
+    {Preset::dropout, "dropout", false},
+    {Preset::dropout_causal, "dropout_causal", false},
+    {Preset::nan_window, "nan_window", false},
+};
+
+std::string case_name(const Shape& shape, const BackwardPreset& preset) {
+  return std::string(shape.name) + "/" + preset.name;
+}
+
+// A backward problem: the forward's problem, its out and lse (A's forward at one thread), and d_out.
+struct BackwardProblem {
+  Problem p;
+  std::vector<float> out, lse, d_out;
+};
+
+// Side's options for p: the forward's, with dropout.
+template <class Side>
+typename Side::Options make_backward_options(const Problem& p) {
+  auto o = make_options<Side>(p);
+  o.dropout_p = p.dropout_p;
+  o.dropout_seed = p.dropout_seed;
+  o.dropout_offset = p.dropout_offset;
+  return o;
+}
+
+BackwardProblem make_backward_problem(const Shape& shape, const BackwardPreset& preset, const BaseData& base,
+                                      unsigned seed) {
+  BackwardProblem bp{make_problem(shape, preset.preset, base, seed, preset.poison_hidden), {}, {}, {}};
+  const Problem& p = bp.p;
+  bp.out.assign(p.out_size(), kNaN);
+  bp.lse.assign(p.lse_size(), kNaN);
+  set_threads(1);
+  run<SideA>(p, make_backward_options<SideA>(p), bp.out.data(), bp.lse.data());
+  bp.d_out.resize(p.out_size());
+  std::mt19937 rng(seed + 1u);
+  std::normal_distribution<float> normal;
+  for (auto& e : bp.d_out) e = normal(rng);
+  return bp;
+}
+
+// One backward call of Side on bp at `threads` OpenMP threads; the gradients start as NaN, so an element that one
+// version leaves unwritten differs from the other's.
+template <class Side>
+Gradients run_backward(const BackwardProblem& bp, const typename Side::Options& options, int threads) {
+  const Problem& p = bp.p;
+  Gradients g;
+  g.d_q.assign(p.q.size(), kNaN);
+  g.d_k.assign(p.k.size(), kNaN);
+  g.d_v.assign(p.v.size(), kNaN);
+  using View3 = typename Side::template View3<const float>;
+  set_threads(threads);
+  Side::attention_backward(
+      Side::view(p.q.data(), p.layout, p.B, p.Hq, p.Sq, p.D), Side::view(p.k.data(), p.layout, p.B, p.Hkv, p.Skv, p.D),
+      Side::view(p.v.data(), p.layout, p.B, p.Hkv, p.Skv, p.Dv),
+      Side::view(bp.out.data(), p.layout, p.B, p.Hq, p.Sq, p.Dv), View3(bp.lse.data(), {p.B, p.Hq, p.Sq}),
+      Side::view(bp.d_out.data(), p.layout, p.B, p.Hq, p.Sq, p.Dv),
+      Side::view(g.d_q.data(), p.layout, p.B, p.Hq, p.Sq, p.D),
+      Side::view(g.d_k.data(), p.layout, p.B, p.Hkv, p.Skv, p.D),
+      Side::view(g.d_v.data(), p.layout, p.B, p.Hkv, p.Skv, p.Dv), options);
+  set_threads(1);
+  return g;
+}
+
+int backward_bits_mode(const std::vector<std::string>& filters, bool perturb) {
+#if defined(_OPENMP)
+  const char* threads_note = "1 and 2 threads";
+#else
+  const char* threads_note = "1 thread only (built without OpenMP: the 2-thread call runs on one)";
+#endif
+  std::printf("backward bit check: A = qkv (%s), B = qkv_b (%s); each case at %s, out and lse from A's forward%s\n",
+              qkv::isa_name(), qkv_b::isa_name(), threads_note,
+              perturb ? "; --perturb: B's first non-NaN dQ, dK and dV flipped" : "");
+  std::printf(
+      "two NaNs count as equal (their sign and payload are the implementation's); differences in them are\n"
+      "noted after the line\n");
+  // Columns: the bits in which B's dQ, dK and dV differ from A's (at 1 and 2 threads); the bits in which a 2-thread
+  // call differs from the same version's 1-thread call; then NaN gradients of A and rows with lse −∞ (rows that see
+  // no key), to show a case is not degenerate.
+  std::printf("%-40s %-48s %8s %8s %8s %8s %8s %8s\n", "case", "shape", "dQ bits", "dK bits", "dV bits", "threads",
+              "NaN grad", "-inf lse");
+  int cases = 0, failed = 0;
+  for (std::size_t s = 0; s < std::size(kBackwardShapes); ++s) {
+    const Shape& shape = kBackwardShapes[s];
+    bool any = false;
+    for (const BackwardPreset& preset : kBackwardPresets) any = any || matches(case_name(shape, preset), filters);
+    if (!any) continue;
+    const BaseData base = make_base(shape, 2000u + static_cast<unsigned>(s));
+    for (std::size_t n = 0; n < std::size(kBackwardPresets); ++n) {
+      const BackwardPreset& preset = kBackwardPresets[n];
+      const std::string name = case_name(shape, preset);
+      if (!matches(name, filters)) continue;
+      const BackwardProblem bp = make_backward_problem(shape, preset, base, case_seed(s, n) + 5000u);
+      const auto options_a = make_backward_options<BackwardA>(bp.p);
+      const auto options_b = make_backward_options<BackwardB>(bp.p);
+      const Gradients a1 = run_backward<BackwardA>(bp, options_a, 1), a2 = run_backward<BackwardA>(bp, options_a, 2);
+      Gradients b1 = run_backward<BackwardB>(bp, options_b, 1);
+      const Gradients b2 = run_backward<BackwardB>(bp, options_b, 2);
+      // Each version's 2-thread call against its own 1-thread call: the library promises the same bits.
+      GradientDiff self = compare_gradients(a1, a2);
+      self += compare_gradients(b1, b2);
+      if (perturb) {  // the self-test: one ulp in B's first non-NaN dQ, dK and dV
+        for (auto* x : {&b1.d_q, &b1.d_k, &b1.d_v}) {
+          const auto first = std::find_if(x->begin(), x->end(), [](float e) { return !std::isnan(e); });
+          if (first == x->end()) continue;
+          std::uint32_t u;
+          std::memcpy(&u, &*first, sizeof u);
+          u ^= 1u;
+          std::memcpy(&*first, &u, sizeof u);
+        }
+      }
+      GradientDiff diff = compare_gradients(a1, b1);
+      diff += compare_gradients(a2, b2);
+      const bool ok = diff.bits() == 0 && self.bits() == 0;
+      ++cases;
+      failed += !ok;
+      const Problem& p = bp.p;
+      char shape_text[96];
+      std::snprintf(shape_text, sizeof shape_text, "B=%td Hq=%td Hkv=%td Sq=%td Skv=%td D=%td Dv=%td %s", p.B, p.Hq,
+                    p.Hkv, p.Sq, p.Skv, p.D, p.Dv, p.layout == Layout::bhsd ? "bhsd" : "bshd");
+      std::ptrdiff_t nan_values = 0;
+      for (const auto* x : {&a1.d_q, &a1.d_k, &a1.d_v})
+        nan_values += std::count_if(x->begin(), x->end(), [](float e) { return std::isnan(e); });
+      const auto empty_rows = std::count(bp.lse.begin(), bp.lse.end(), -kInf);
+      std::printf("%-4s %-35s %-48s %8zu %8zu %8zu %8zu %8td %8td", ok ? "ok" : "DIFF", name.c_str(), shape_text,
+                  diff.d_q.bits, diff.d_k.bits, diff.d_v.bits, self.bits(), nan_values, empty_rows);
+      if (!ok) {
+        std::printf("   (values: dQ %zu, dK %zu, dV %zu, threads %zu; max finite |A - B| %g)", diff.d_q.values,
+                    diff.d_k.values, diff.d_v.values, self.values(),
+                    std::max({diff.d_q.max_finite, diff.d_k.max_finite, diff.d_v.max_finite}));
+      }
+      const std::size_t nan_payload = diff.nan_payload() + self.nan_payload();
+      if (nan_payload > 0) std::printf("   (NaN sign or payload differs in %zu NaN values)", nan_payload);
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  if (cases == 0) {
+    std::fprintf(stderr, "no case matches the given names (--backward-list shows them)\n");
+    return 2;
+  }
+  std::printf("%d of %d cases differ in their bits\n", failed, cases);
+  return failed == 0 ? 0 : 1;
+}
+#endif  // QKV_AB_BACKWARD
+
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s D T rounds causal          speed (B = 1, H = 8, Sq = Skv = T, float, one thread)\n"
                "       %s --bits [--perturb] [NAME...] bit check of every case (or those whose name contains NAME)\n"
                "       %s --time NAME [rounds]       speed of one case (default 10 rounds)\n"
-               "       %s --list                     case names\n",
-               argv0, argv0, argv0, argv0);
+               "       %s --list                     case names\n"
+               "       %s --backward [T D causal rounds dropout_p]\n"
+               "           backward speed (defaults 4096 128 0 10; B = 1, H = 8, Sq = Skv = T, D = Dv, one thread)\n"
+               "       %s --backward-bits [--perturb] [NAME...]\n"
+               "           bit check of the backward's cases (or those whose name contains NAME)\n"
+               "       %s --backward-list            backward case names\n",
+               argv0, argv0, argv0, argv0, argv0, argv0, argv0);
   return 2;
+}
+
+// Parses the arguments after a bit-check mode: --perturb anywhere, the rest case-name filters.
+void bits_arguments(int argc, char** argv, std::vector<std::string>& filters, bool& perturb) {
+  perturb = false;
+  for (int i = 2; i < argc; ++i) {
+    if (std::string(argv[i]) == "--perturb") {
+      perturb = true;
+    } else {
+      filters.emplace_back(argv[i]);
+    }
+  }
 }
 
 }  // namespace
@@ -742,14 +1126,38 @@ int main(int argc, char** argv) {
   if (mode == "--bits") {
     std::vector<std::string> filters;
     bool perturb = false;
-    for (int i = 2; i < argc; ++i) {
-      if (std::string(argv[i]) == "--perturb") {
-        perturb = true;
-      } else {
-        filters.emplace_back(argv[i]);
-      }
-    }
+    bits_arguments(argc, argv, filters, perturb);
     return bits_mode(filters, perturb);
+  }
+  if (mode == "--backward" || mode == "--backward-bits" || mode == "--backward-list") {
+#if defined(QKV_AB_BACKWARD)
+    if (mode == "--backward-list") {
+      for (const Shape& shape : kBackwardShapes)
+        for (const BackwardPreset& preset : kBackwardPresets) std::printf("%s\n", case_name(shape, preset).c_str());
+      return 0;
+    }
+    if (mode == "--backward-bits") {
+      std::vector<std::string> filters;
+      bool perturb = false;
+      bits_arguments(argc, argv, filters, perturb);
+      return backward_bits_mode(filters, perturb);
+    }
+    if (argc > 7) return usage(argv[0]);
+    const long T = argc > 2 ? std::atol(argv[2]) : 4096, D = argc > 3 ? std::atol(argv[3]) : 128;
+    const bool causal = argc > 4 && std::atoi(argv[4]) != 0;
+    const int rounds = argc > 5 ? std::atoi(argv[5]) : 10;
+    const float dropout_p = argc > 6 ? std::strtof(argv[6], nullptr) : 0.0f;
+    if (T < 1 || D < 1 || rounds < 1 || !(dropout_p >= 0.0f && dropout_p <= 1.0f)) {
+      std::fprintf(stderr, "T, D and rounds must be at least 1, dropout_p in [0, 1]\n");
+      return 2;
+    }
+    return backward_speed_mode(T, D, causal, rounds, dropout_p);
+#else
+    std::fprintf(stderr,
+                 "%s: built without the backward modes (scripts/ab_fused.sh defines QKV_AB_BACKWARD for them)\n",
+                 argv[0]);
+    return 2;
+#endif
   }
   if (mode == "--time") {
     if (argc < 3) return usage(argv[0]);

@@ -160,12 +160,22 @@ struct DropoutRule {
   /// only). Throws nothing.
   template <class Lanes = DropoutLanes, class U>
   void apply_row(Index sequence, Index h, Index i, Index j_begin, Index n, U* row) const noexcept {
+    apply_row<Lanes>(sequence, h, i, j_begin, n, row, static_cast<U*>(nullptr));
+  }
+
+  /// apply_row on two rows of the same (sequence, h, i, j_begin, n) at once: `row` and `other` (n weights each, or
+  /// `other` null) get the same mask and scale, from one pass of the generator. The backward's use: P̃ = Z ∘ P and
+  /// Z ∘ dP of one query row. Each row's result is apply_row's on it alone, bit for bit. Complexity: apply_row's
+  /// generator work once, and a select per row. Throws nothing.
+  template <class Lanes = DropoutLanes, class U>
+  void apply_row(Index sequence, Index h, Index i, Index j_begin, Index n, U* row, U* other) const noexcept {
     if (n <= 0) return;
     const Stream s = stream();
     const U scale =
         std::is_same_v<U, T> || !(p < T(1)) ? static_cast<U>(keep_scale) : U(1) / (U(1) - static_cast<U>(p));
     if (s.threshold == 0) {  // p = 1: every weight dropped, NaN and ∞ too
       std::fill_n(row, n, U(0));
+      if (other != nullptr) std::fill_n(other, n, U(0));
       return;
     }
     // u < threshold ⇔ u ≤ threshold − 1 for threshold in [1, 2^32]: a 32-bit compare, which vectorizes.
@@ -180,14 +190,22 @@ struct DropoutRule {
       const std::array<std::uint32_t, 4> words = philox4x32_10(group_counter, s.key);
       const std::size_t end = std::min(count, t + 4 - static_cast<std::size_t>((j0 + t) % 4u));
       for (; t < end; ++t) {
+        const bool keep = words[static_cast<std::size_t>((j0 + t) % 4u)] <= last_kept;
         const U kept = row[t] * scale;
-        row[t] = words[static_cast<std::size_t>((j0 + t) % 4u)] <= last_kept ? kept : U(0);
+        row[t] = keep ? kept : U(0);
+        if (other != nullptr) {
+          const U other_kept = other[t] * scale;
+          other[t] = keep ? other_kept : U(0);
+        }
       }
       return t;
     };
-    // row[t … t + m) from words[0 … m), m ≤ 128 (Lanes::select).
+    // row[t … t + m) (and other's) from words[0 … m), m ≤ 128 (Lanes::select).
     std::array<std::uint32_t, 4 * kPhiloxLanes> words;
-    const auto select = [&](std::size_t t, std::size_t m) { Lanes::select(row + t, words.data(), m, scale, last_kept); };
+    const auto select = [&](std::size_t t, std::size_t m) {
+      Lanes::select(row + t, words.data(), m, scale, last_kept);
+      if (other != nullptr) Lanes::select(other + t, words.data(), m, scale, last_kept);
+    };
     std::size_t t = 0;
     if (j0 % 4u != 0) t = scalar_group(0);
     for (; count - t >= words.size(); t += words.size()) {  // whole chunks of 128 keys

@@ -428,12 +428,10 @@ class FusedBackward {
           p_row[j] = score == kNegInf ? 0.0f : std::exp(score - lse);
         }
       }
-      if (dropout) {  // P̃ = Z ∘ P for dV; dP ← Z ∘ dP (the same mask as the forward's: dropout.hpp)
+      if (dropout) {  // P̃ = Z ∘ P for dV; dP ← Z ∘ dP (the forward's mask, drawn once for both: dropout.hpp)
         std::copy_n(p_row, n, P_kept + r * ld);
         params_.dropout.apply_row<DropoutLanes>(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n,
-                                                P_kept + r * ld);
-        params_.dropout.apply_row<DropoutLanes>(b, h, params_.dropout_q_begin + i, params_.dropout_k_begin + j0, n,
-                                                ds_row);
+                                                P_kept + r * ld, ds_row);
       }
       const float d_i = delta[r];
       if (exact) {
@@ -467,9 +465,10 @@ class FusedBackward {
     if (!exact) {
       // dV_tile += P̃ᵀ · dO_blk, dK_tile += dSᵀ · Q_blk (strips of kStrip keys) and dQ_blk += dS · K_tile (strips of
       // kStrip rows), a chunk of dO, Q or K at a time (pv_block: the chunk stays in L1 while the strips pass).
-      if (Dv > 0) pv_block<Tag>(P_used, 1, ld, do_chunks, R * kChunk, R, s.dv.data(), Dv, n, Dv);
-      pv_block<Tag>(dP, 1, ld, q_chunks, R * kChunk, R, s.dk.data(), D, n, D);
-      pv_block<Tag>(dP, ld, 1, k_chunks, tile_keys * kChunk, n, dq, D, R, D);
+      constexpr StripLayout kColumns = StripLayout::columns;
+      if (Dv > 0) pv_block<Tag, kColumns>(P_used, ld, do_chunks, R * kChunk, R, s.dv.data(), Dv, n, Dv);
+      pv_block<Tag, kColumns>(dP, ld, q_chunks, R * kChunk, R, s.dk.data(), D, n, D);
+      pv_block<Tag>(dP, ld, k_chunks, tile_keys * kChunk, n, dq, D, R, D);
     } else {
       // The exact path: every term whose coefficient is 0 is skipped, so a NaN or ∞ in q, k, v or d_out reaches only
       // the gradients that depend on it (hidden_values.hpp).

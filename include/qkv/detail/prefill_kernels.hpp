@@ -28,15 +28,20 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
+/// Where a micro-kernel's left operand a[r][k] lies: at a[r·lda + k] (rows: Q, P, dS) or at a[r + k·lda] (columns:
+/// the backward's Pᵀ and dSᵀ, read in place from P and dS). The operand is only ever broadcast, so its layout costs
+/// no shuffles; a compile-time layout lets each strip's broadcasts walk one pointer (runtime strides cost the
+/// transposed products 5 % of their speed with clang++: bench/README.md, "Backward micro-kernels").
+enum class StripLayout { rows, columns };
+
 /// c[r][0 .. kVectors·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. kVectors·lanes) for R rows
-/// (R ≤ kStrip), n steps of k, with a[r][k] at a[r·lda + k·a_step] (a_step = 1 for a row-major a; the backward passes
-/// a transposed block, lda = 1: a is only ever broadcast, so its layout costs nothing): the prefill micro-kernel. R ×
-/// kVectors accumulators stay in registers; each step loads kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is
-/// this over a packed key panel (qk_panel) and P·V over a packed value chunk (pv_chunk). Kept apart from the tail
-/// kernel below: with both in one function clang spilled an accumulator of the full-width loop to the stack.
-template <class Tag, int R, bool kAccumulate>
-inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c, Index ldc,
-                              Index a_step = 1) noexcept {
+/// (R ≤ kStrip), n steps of k, a laid out as kLayout says: the prefill micro-kernel. R × kVectors accumulators stay
+/// in registers; each step loads kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is this over a packed key
+/// panel (qk_panel) and P·V over a packed value chunk (pv_chunk). Kept apart from the tail kernel below: with both in
+/// one function clang spilled an accumulator of the full-width loop to the stack.
+template <class Tag, int R, bool kAccumulate, StripLayout kLayout = StripLayout::rows>
+inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c,
+                              Index ldc) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   constexpr int NV = FusedTiles<Tag>::kVectors;
@@ -48,9 +53,10 @@ inline void strip_times_panel(const float* a, Index lda, const float* b, Index l
     typename Tag::Vec bv[NV];
     QKV_UNROLL for (int v = 0; v < NV; ++v) bv[v] = load(Tag(), b + k * ldb + v * L);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
-      const auto ab = set1(Tag(), a[r * lda + k * a_step]);
+      const auto ab = set1(Tag(), kLayout == StripLayout::rows ? a[r * lda + k] : a[r]);
       QKV_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(ab, bv[v], acc[r][v]);
     }
+    if (kLayout == StripLayout::columns) a += lda;
   }
   QKV_UNROLL for (int r = 0; r < R; ++r) {
     QKV_UNROLL for (int v = 0; v < NV; ++v) store(Tag(), c + r * ldc + v * L, acc[r][v]);
@@ -63,19 +69,18 @@ inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, flo
   strip_times_panel<Tag, R, false>(q, ldq, panel, FusedTiles<Tag>::kPanel, D, s, lds);
 }
 
-/// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk (p[r][j] at
-/// p[r·ldp + j·p_step]).
-template <class Tag, int R>
-inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
-                     Index p_step = 1) noexcept {
-  strip_times_panel<Tag, R, true>(p, ldp, v, ldv, keys, o, ldo, p_step);
+/// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk (p laid out
+/// as kLayout says, rows ldp apart or columns ldp apart).
+template <class Tag, int R, StripLayout kLayout = StripLayout::rows>
+inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo) noexcept {
+  strip_times_panel<Tag, R, true, kLayout>(p, ldp, v, ldv, keys, o, ldo);
 }
 
 /// pv_chunk for the last `width` < kChunk columns of Dv: masked loads and stores (vector v covers columns
 /// [v·lanes, v·lanes + n_v), n_v possibly 0), nothing past the row is touched.
-template <class Tag, int R>
+template <class Tag, int R, StripLayout kLayout = StripLayout::rows>
 inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
-                          int width, Index p_step = 1) noexcept {
+                          int width) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   constexpr int NV = FusedTiles<Tag>::kVectors;
@@ -89,7 +94,7 @@ inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, 
     typename Tag::Vec vv[NV];
     QKV_UNROLL for (int u = 0; u < NV; ++u) vv[u] = load_partial(Tag(), v + j * ldv + u * L, count[u]);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
-      const auto pb = set1(Tag(), p[r * ldp + j * p_step]);
+      const auto pb = set1(Tag(), kLayout == StripLayout::rows ? p[r * ldp + j] : p[r + j * ldp]);
       QKV_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = fmadd(pb, vv[u], acc[r][u]);
     }
   }
@@ -100,41 +105,42 @@ inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, 
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
 /// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of kChunk
-/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail. p[r][j] at p[r·ldp + j·p_step]
-/// (p_step ≠ 1: a transposed left operand read in place, as the backward's pv_block calls do).
+/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail. p[r][j] at p[r·ldp + j].
 template <class Tag, int R>
 inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
-                     Index Dv, Index p_step = 1) noexcept {
+                     Index Dv) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
   const Index full = Dv / kChunk * kChunk;
   for (Index c = 0; c < full; c += kChunk)
-    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo, p_step);
+    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
   if (full < Dv) {
     pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
-                          static_cast<int>(Dv - full), p_step);
+                          static_cast<int>(Dv - full));
   }
 }
 
 /// o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `rows` rows, V packed by pack_values (chunks `chunk_stride`
-/// floats apart), p[r][j] at p[r·ldp + j·p_step]: pv_strip's sums for a whole block of rows, chunk by chunk. Every
+/// floats apart), p laid out as kLayout says (rows or columns ldp apart): pv_strip's sums for a whole block of rows,
+/// chunk by chunk. Every
 /// strip of kStrip rows passes over one chunk (keys × kChunk floats) before the next, so the chunk is read from L1
 /// while the block's other operands stream; pv_strip, strip by strip, would stream every chunk once per strip. Each
 /// element's sum runs over the keys in the same order as pv_strip's: the same bits.
-template <class Tag>
-inline void pv_block(const float* p, Index ldp, Index p_step, const float* v, Index chunk_stride, Index keys, float* o,
-                     Index ldo, Index rows, Index Dv) noexcept {
+template <class Tag, StripLayout kLayout = StripLayout::rows>
+inline void pv_block(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
+                     Index rows, Index Dv) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
   constexpr Index kStrip = FusedTiles<Tag>::kStrip;
   for (Index c = 0; c < Dv; c += kChunk) {
     const float* chunk = v + c / kChunk * chunk_stride;
     const int width = static_cast<int>(std::min(kChunk, Dv - c));
     for (Index r0 = 0; r0 < rows; r0 += kStrip) {
+      const float* strip = kLayout == StripLayout::rows ? p + r0 * ldp : p + r0;
       dispatch_rows(std::min(kStrip, rows - r0), [&](auto rows_constant) {
         constexpr int kR = decltype(rows_constant)::value;
         if (width == kChunk) {
-          pv_chunk<Tag, kR>(p + r0 * ldp, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo, p_step);
+          pv_chunk<Tag, kR, kLayout>(strip, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo);
         } else {
-          pv_chunk_tail<Tag, kR>(p + r0 * ldp, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo, width, p_step);
+          pv_chunk_tail<Tag, kR, kLayout>(strip, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo, width);
         }
       });
     }
