@@ -9,6 +9,8 @@
 #   bash scripts/ab_fused.sh REV_A REV_B --backward-bits [--perturb] [NAME...]
 #                                                                     # the backward's bit identity (or NAME...)
 #   bash scripts/ab_fused.sh REV_A REV_B --backward-list              # the backward's case names
+#   bash scripts/ab_fused.sh REV_A REV_B --decode [layout storage Skv rounds]
+#                                                                     # decode speed; defaults: bshd f16 32768 16
 #
 # REV_A, REV_B: git revisions, or `.` for the working tree. --bits runs each case (a shape × an option preset; the list
 # and the reason for each are in the driver) through both versions at 1 and 2 OpenMP threads, prints one line per
@@ -20,6 +22,9 @@
 # backward: its own cases (shapes × presets, dropout among them; --backward-list names them), dQ, dK and dV of B
 # against A's at 1 and 2 OpenMP threads, exit 1 if any bit differs; --perturb flips one bit of B's dQ, dK and dV in
 # every case.
+# --decode times one decoding step of A and B alternately (B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128, Skv keys;
+# layout bshd or bhsd; K and V stored as float, f16 or bf16, q and out float) and prints the median microseconds and
+# GB/s of K and V of each, the median of the per-round ratios B / A and whether the outputs are bit-identical.
 # Environment:
 #   CXX            compiler (default clang++)
 #   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,
@@ -36,7 +41,8 @@
 # The driver bench/ab/ab_fused.cpp is always the working tree's: a revision whose public API differs from it (names of
 # attention, view_bhsd, view_bshd, TensorView, AttentionOptions, isa_name) will not compile. The backward modes also
 # need attention_backward and the dropout options (116a439 on); only they compile the driver's backward code
-# (-DQKV_AB_BACKWARD), so the other modes still build against revisions before it.
+# (-DQKV_AB_BACKWARD), so the other modes still build against revisions before it. Likewise --decode needs the 16-bit
+# overloads of attention (c220239 on) and alone compiles the driver's decode code (-DQKV_AB_DECODE).
 # Examples: does the working tree beat the last commit on D = 64?   bash scripts/ab_fused.sh HEAD . 64 1024 20 0
 #           are its bits those of the last commit on every ISA?    QKV_AB_ISAS="x86-64 x86-64-v3 native" \
 #                                                                    bash scripts/ab_fused.sh HEAD . --bits
@@ -44,7 +50,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 usage="usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal | --bits [--perturb] [NAME...] | --time NAME [rounds]"
-usage+=" | --list | --backward [T D causal rounds dropout_p] | --backward-bits [--perturb] [NAME...] | --backward-list]"
+usage+=" | --list | --backward [T D causal rounds dropout_p] | --backward-bits [--perturb] [NAME...] | --backward-list"
+usage+=" | --decode [layout storage Skv rounds]]"
 rev_a=${1:?$usage}
 rev_b=${2:?$usage}
 shift 2
@@ -52,8 +59,9 @@ args=("$@")
 ((${#args[@]})) || args=(128 1024 20 0)
 openmp=()
 [[ ${args[0]} == --bits || ${args[0]} == --backward-bits ]] && openmp=(-fopenmp)
-backward=()
-[[ ${args[0]} == --backward* ]] && backward=(-DQKV_AB_BACKWARD)
+mode_define=()  # the driver's code of the backward modes and of --decode is compiled for them alone
+[[ ${args[0]} == --backward* ]] && mode_define=(-DQKV_AB_BACKWARD)
+[[ ${args[0]} == --decode ]] && mode_define=(-DQKV_AB_DECODE)
 work=build/ab
 rm -rf "$work/a" "$work/b"
 mkdir -p "$work/a" "$work/b/B"
@@ -85,7 +93,7 @@ build() {  # build OUT FLAGS...: the driver against A's and B's headers
   local out=$1 start=$SECONDS
   shift
   mkdir -p "$(dirname "$out")"
-  "${CXX:-clang++}" -std=c++17 -DNDEBUG "$@" "${openmp[@]}" "${backward[@]}" -w -I"$work/a" -I"$work/b" -I"$work" \
+  "${CXX:-clang++}" -std=c++17 -DNDEBUG "$@" "${openmp[@]}" "${mode_define[@]}" -w -I"$work/a" -I"$work/b" -I"$work" \
     -I/usr/include/eigen3 bench/ab/ab_fused.cpp -o "$out"
   echo "built $out in $((SECONDS - start)) s"
 }

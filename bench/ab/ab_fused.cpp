@@ -6,7 +6,9 @@
 // TensorView, AttentionOptions, isa_name), so a revision from then on can be either side (bench/fma_loop.hpp, the
 // speed modes' peak, also reads A's qkv::simd). The backward modes also call attention_backward and set the dropout
 // options, which exist from 116a439 on: they are compiled only with QKV_AB_BACKWARD defined (the script defines it
-// for those modes alone), so that the forward modes still build against older revisions. Modes:
+// for those modes alone), so that the forward modes still build against older revisions. Likewise the decode mode
+// calls the 16-bit overloads of attention (c220239 on) and is compiled only with QKV_AB_DECODE (defined for --decode
+// alone). Modes:
 //
 //   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread. Calls alternate A, B (B, A on odd
 //                                  rounds) on the same inputs, each round after a register-only FMA loop, so both
@@ -30,7 +32,7 @@
 //   ab_fused --backward [T D causal rounds dropout_p]
 //                                  speed of the fused backward (defaults 4096 128 0 10 0): B = 1, H = 8, Sq = Skv = T,
 //                                  D = Dv, BHSD views, one thread; dropout_p > 0 adds dropout (the dropout case's seed
-//                                  and offset). The forward's out and lse are computed once, by A, without dropout;
+//                                  and offset, the forward's too). The forward's out and lse are computed once, by A;
 //                                  then qkv::attention_backward of A and B alternate on the same inputs as in speed
 //                                  mode (A first on even rounds), each round after the FMA loop. Prints the median
 //                                  milliseconds of each version and the median of the per-round ratios B / A (a ratio
@@ -47,6 +49,16 @@
 //                                  --perturb flips the lowest bit of B's first non-NaN dQ, dK and dV: every line must
 //                                  then read 1, 1 and 1, and the run exit 1.
 //   ab_fused --backward-list       the backward case names.
+//   ab_fused --decode [layout storage Skv rounds]
+//                                  speed of one decoding step (defaults bshd f16 32768 16): B = 1, Sq = 1, Hq = 32,
+//                                  Hkv = 8, D = Dv = 128, fused, one thread; layout bshd (token-major) or bhsd; K and
+//                                  V stored as float, f16 (Eigen::half) or bf16 (Eigen::bfloat16), rounded once from
+//                                  random normal floats; q and out float. A and B alternate as in --backward, each
+//                                  round after the FMA loop, each call after an untimed read of 128 MiB (so that
+//                                  neither finds K and V in the cache the other left). Prints the median microseconds
+//                                  of each version with the GB/s of K and V it reads (2·Skv·Hkv·D·sizeof(storage) bytes
+//                                  per call), the median of the per-round ratios B / A with their range, how many
+//                                  rounds B won, and whether A's and B's outputs are bit-identical.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -59,6 +71,7 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -816,8 +829,8 @@ double max_abs_finite(const std::vector<float>& x) {
   return m;
 }
 
-// Speed of the backward: B = 1, H = 8, Sq = Skv = T, D = Dv, BHSD, one thread; out and lse from A's forward (without
-// dropout: the backward's own dropout_p applies to its weights, the forward's out and lse only feed D_i and P).
+// Speed of the backward: B = 1, H = 8, Sq = Skv = T, D = Dv, BHSD, one thread; out and lse from A's forward, with the
+// same dropout as the backward's.
 int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p) {
   const long H = 8;
   const std::size_t n = static_cast<std::size_t>(H * T * D);
@@ -834,14 +847,14 @@ int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p
   qkv_b::AttentionOptions<float> options_b;
   options_b.backend = qkv_b::Backend::fused;
   options_b.causal = causal;
-  qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
-                 qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D),
-                 qkv::TensorView3<float>(lse.data(), {1, H, T}), options_a);
-  if (dropout_p > 0) {  // the driver's dropout case's seed and offset
+  if (dropout_p > 0) {  // the driver's dropout case's seed and offset, in the forward and the backward alike
     options_a.dropout_p = options_b.dropout_p = dropout_p;
     options_a.dropout_seed = options_b.dropout_seed = 0x243f6a8885a308d3u;
     options_a.dropout_offset = options_b.dropout_offset = 7;
   }
+  qkv::attention(qkv::view_bhsd(q.data(), 1, H, T, D), qkv::view_bhsd(k.data(), 1, H, T, D),
+                 qkv::view_bhsd(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D),
+                 qkv::TensorView3<float>(lse.data(), {1, H, T}), options_a);
 
   Gradients a_grad{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)}, b_grad = a_grad;
   const auto run_a = [&] {
@@ -1087,6 +1100,88 @@ int backward_bits_mode(const std::vector<std::string>& filters, bool perturb) {
 }
 #endif  // QKV_AB_BACKWARD
 
+#if defined(QKV_AB_DECODE)
+// ---------------------------------------------------------------------------------------------------------------------
+// The decode speed mode. Compiled only with QKV_AB_DECODE (the script defines it for --decode alone): the 16-bit
+// overloads of attention (K and V as Eigen::half or Eigen::bfloat16) exist from c220239 on, and the other modes must
+// still build against older revisions.
+
+// Speed of one decoding step: B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128, Skv keys, K and V stored as S (rounded
+// once from random normal floats), q and out float, one thread; A and B alternate as in the backward's speed mode.
+template <class S>
+int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds) {
+  const long Hq = 32, Hkv = 8, D = 128;
+  const std::size_t kv_size = static_cast<std::size_t>(Skv * Hkv * D);
+  std::vector<float> q(static_cast<std::size_t>(Hq * D)), out_a(q.size(), kNaN), out_b(q.size(), kNaN);
+  std::vector<S> k(kv_size), v(kv_size);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  for (auto& e : q) e = normal(rng);
+  for (auto* x : {&k, &v})
+    for (auto& e : *x) e = S(normal(rng));  // rounded to the storage type once
+
+  set_threads(1);
+  SideA::Options options_a;
+  options_a.backend = qkv::Backend::fused;
+  SideB::Options options_b;
+  options_b.backend = qkv_b::Backend::fused;
+  const auto q_a = SideA::view(static_cast<const float*>(q.data()), layout, 1, Hq, 1, D);
+  const auto k_a = SideA::view(static_cast<const S*>(k.data()), layout, 1, Hkv, Skv, D);
+  const auto v_a = SideA::view(static_cast<const S*>(v.data()), layout, 1, Hkv, Skv, D);
+  const auto o_a = SideA::view(out_a.data(), layout, 1, Hq, 1, D);
+  const auto q_b = SideB::view(static_cast<const float*>(q.data()), layout, 1, Hq, 1, D);
+  const auto k_b = SideB::view(static_cast<const S*>(k.data()), layout, 1, Hkv, Skv, D);
+  const auto v_b = SideB::view(static_cast<const S*>(v.data()), layout, 1, Hkv, Skv, D);
+  const auto o_b = SideB::view(out_b.data(), layout, 1, Hq, 1, D);
+  const auto run_a = [&] { SideA::attention(q_a, k_a, v_a, o_a, options_a); };
+  const auto run_b = [&] { SideB::attention(q_b, k_b, v_b, o_b, options_b); };
+  // Before each call, untimed, a read of 128 MiB (4 times this machine's 32 MiB L3): otherwise the second call of a
+  // round finds what the first left of K and V in the cache (all of them at Skv = 2048 in float), and the per-round
+  // ratios alternate with the order (about 0.85 and 1.2 at Skv = 2048, float). Decoding reads its cache from memory.
+  std::vector<float> evict(std::size_t(32) << 20, 1.0f);
+  const auto seconds = [&](auto&& f) {
+    volatile float sink = std::accumulate(evict.begin(), evict.end(), 0.0f);
+    (void)sink;
+    const double t0 = now();
+    f();
+    return now() - t0;
+  };
+
+  run_a();  // warm-up: page faults of both kernels' scratch
+  run_b();
+  std::vector<double> a, b, ratio;
+  int b_faster = 0;
+  for (int r = 0; r < rounds; ++r) {
+    fma_loop_gflops();
+    interleaved_round(r, seconds, run_a, run_b, a, b);
+    ratio.push_back(b.back() / a.back());  // this round's pair, whichever ran first
+    b_faster += b.back() < a.back();
+  }
+  const auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  const double kv_bytes = 2.0 * double(kv_size) * double(sizeof(S));
+  std::printf(
+      "decode Skv=%ld %s %s K/V (B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128), one thread, %d rounds; A = qkv (%s), "
+      "B = qkv_b (%s)\n",
+      Skv, layout == Layout::bhsd ? "bhsd" : "bshd", storage, rounds, qkv::isa_name(), qkv_b::isa_name());
+  std::printf("A median %9.1f us (%6.1f GB/s of K and V)\n", median(a) * 1e6, kv_bytes / median(a) * 1e-9);
+  std::printf("B median %9.1f us (%6.1f GB/s of K and V)\n", median(b) * 1e6, kv_bytes / median(b) * 1e-9);
+  std::printf("B / A: median of the per-round ratios %.3f (range %.3f-%.3f); B faster in %d of %d rounds\n",
+              median(ratio), *std::min_element(ratio.begin(), ratio.end()),
+              *std::max_element(ratio.begin(), ratio.end()), b_faster, rounds);
+  const BitDiff diff = compare_bits(out_a, out_b);
+  if (diff.values == 0) {
+    std::printf("out of A and B: bit-identical\n");
+  } else {
+    std::printf("out of A and B: %zu of %zu values differ in their bits; max finite |out_A - out_B| = %g\n",
+                diff.values, out_a.size(), diff.max_finite);
+  }
+  return 0;
+}
+#endif  // QKV_AB_DECODE
+
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s D T rounds causal          speed (B = 1, H = 8, Sq = Skv = T, float, one thread)\n"
@@ -1094,11 +1189,14 @@ int usage(const char* argv0) {
                "       %s --time NAME [rounds]       speed of one case (default 10 rounds)\n"
                "       %s --list                     case names\n"
                "       %s --backward [T D causal rounds dropout_p]\n"
-               "           backward speed (defaults 4096 128 0 10; B = 1, H = 8, Sq = Skv = T, D = Dv, one thread)\n"
+               "           backward speed (defaults 4096 128 0 10 0; B = 1, H = 8, Sq = Skv = T, D = Dv, one thread)\n"
                "       %s --backward-bits [--perturb] [NAME...]\n"
                "           bit check of the backward's cases (or those whose name contains NAME)\n"
-               "       %s --backward-list            backward case names\n",
-               argv0, argv0, argv0, argv0, argv0, argv0, argv0);
+               "       %s --backward-list            backward case names\n"
+               "       %s --decode [layout storage Skv rounds]\n"
+               "           decode speed (defaults bshd f16 32768 16; layout bshd or bhsd, storage float, f16 or bf16\n"
+               "           for K and V; B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128, one thread)\n",
+               argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
   return 2;
 }
 
@@ -1155,6 +1253,27 @@ int main(int argc, char** argv) {
 #else
     std::fprintf(stderr,
                  "%s: built without the backward modes (scripts/ab_fused.sh defines QKV_AB_BACKWARD for them)\n",
+                 argv[0]);
+    return 2;
+#endif
+  }
+  if (mode == "--decode") {
+#if defined(QKV_AB_DECODE)
+    if (argc > 6) return usage(argv[0]);
+    const std::string layout_name = argc > 2 ? argv[2] : "bshd", storage = argc > 3 ? argv[3] : "f16";
+    const long Skv = argc > 4 ? std::atol(argv[4]) : 32768;
+    const int rounds = argc > 5 ? std::atoi(argv[5]) : 16;
+    if ((layout_name != "bshd" && layout_name != "bhsd") ||
+        (storage != "float" && storage != "f16" && storage != "bf16") || Skv < 1 || rounds < 1) {
+      std::fprintf(stderr, "layout must be bshd or bhsd, storage float, f16 or bf16, Skv and rounds at least 1\n");
+      return 2;
+    }
+    const Layout layout = layout_name == "bhsd" ? Layout::bhsd : Layout::bshd;
+    if (storage == "f16") return decode_speed_mode<Eigen::half>(layout, "f16", Skv, rounds);
+    if (storage == "bf16") return decode_speed_mode<Eigen::bfloat16>(layout, "bf16", Skv, rounds);
+    return decode_speed_mode<float>(layout, "float", Skv, rounds);
+#else
+    std::fprintf(stderr, "%s: built without the decode mode (scripts/ab_fused.sh defines QKV_AB_DECODE for it)\n",
                  argv[0]);
     return 2;
 #endif

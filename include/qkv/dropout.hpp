@@ -163,13 +163,14 @@ struct DropoutRule {
     apply_row<Lanes>(sequence, h, i, j_begin, n, row, static_cast<U*>(nullptr));
   }
 
-  /// apply_row on two rows of the same (sequence, h, i, j_begin, n) at once: `row` and `other` (n weights each, or
-  /// `other` null) get the same mask and scale, from one pass of the generator. The backward's use: P̃ = Z ∘ P and
-  /// Z ∘ dP of one query row. Each row's result is apply_row's on it alone, bit for bit. Complexity: apply_row's
-  /// generator work once, and a select per row. Throws nothing.
+  /// apply_row on two rows of the same (sequence, h, i, j_begin, n) at once: `row` and `other` (n weights each, not
+  /// overlapping, or `other` null) get the same mask and scale, from one pass of the generator. The backward's use:
+  /// P̃ = Z ∘ P and Z ∘ dP of one query row. Each row's result is apply_row's on it alone, bit for bit. Complexity:
+  /// apply_row's generator work once, and a select per row. Throws nothing.
   template <class Lanes = DropoutLanes, class U>
   void apply_row(Index sequence, Index h, Index i, Index j_begin, Index n, U* row, U* other) const noexcept {
     if (n <= 0) return;
+    QKV_ASSERT(other == nullptr || other + n <= row || row + n <= other);
     const Stream s = stream();
     const U scale =
         std::is_same_v<U, T> || !(p < T(1)) ? static_cast<U>(keep_scale) : U(1) / (U(1) - static_cast<U>(p));

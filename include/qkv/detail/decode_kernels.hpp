@@ -2,7 +2,8 @@
 //
 // Decoding (few query rows) reads the whole cache once per token, so it streams K and V where they lie instead of
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
-// values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range. Per key and kv head
+// values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range; a task over token-major
+// K and V also hands them a PrefetchCursor, whose whole rows ahead they issue a share per step. Per key and kv head
 // (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs.
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
@@ -29,35 +30,51 @@ inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// The cache lines of `rows` whole key rows of token-major K or V (`span` elements from each row's start, rows `ld`
-/// apart), in memory order, prefetched `per_step` at a time from inside the decoding micro-kernels (one `issue` per
-/// step of keys): a grouped decoding task (fused_attention.hpp) paces the next sub-block's prefetches over the
-/// current one's arithmetic. Issued in one burst before the arithmetic, they filled the miss queue and stalled it:
-/// bench/README.md, "Paced prefetch in token-major decode". Complexity: O(1) per line; throws nothing.
+/// apart), in memory order, prefetched a share at a time from inside the decoding micro-kernels (one `issue` per step
+/// of keys, `flush` for what the steps left): a grouped decoding task (fused_attention.hpp) paces the next
+/// sub-block's prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4: 16 lines of float or 8
+/// of 16-bit storage per step). Issued in one burst before the arithmetic, they filled the miss queue and stalled it:
+/// bench/README.md, "Paced prefetch in token-major decode". Addresses are formed only for lines inside the rows.
+/// Complexity: O(1) per line; throws nothing.
 template <class S>
-struct PrefetchCursor {
-  static constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
-  const S* row = nullptr;
-  Index ld = 0, per_row = 1, line = 0, left = 0, per_step = 0;
-
+class PrefetchCursor {
+ public:
   PrefetchCursor() = default;
-  /// The lines of rows [first, first + rows·ld), `span` elements of each (none if rows ≤ 0), over `steps` issues.
-  PrefetchCursor(const S* first, Index ld_, Index rows, Index span, Index steps) noexcept
-      : row(first), ld(ld_), per_row((span + kPerLine - 1) / kPerLine) {
-    left = rows > 0 ? rows * per_row : 0;
-    per_step = (left + std::max<Index>(steps, 1) - 1) / std::max<Index>(steps, 1);
+  /// The lines of rows first, first + ld, …, (rows of them; none if rows ≤ 0, and then `first` is not used), `span`
+  /// elements of each, spread over `steps` calls of issue().
+  PrefetchCursor(const S* first, Index ld, Index rows, Index span, Index steps) noexcept
+      : base_(first), ld_(ld), per_row_((span + kPerLine - 1) / kPerLine) {
+    left_ = rows > 0 ? rows * per_row_ : 0;
+    if (ld_ == per_row_ * kPerLine) per_row_ = std::max<Index>(left_, 1);  // rows that abut: one run of lines
+    const Index calls = std::max<Index>(steps, 1);
+    per_step_ = (left_ + calls - 1) / calls;
   }
-  /// The next per_step lines (fewer at the end).
-  void issue() noexcept { issue(per_step); }
-  /// The next `count` lines (fewer at the end); issue(left) flushes the rest.
+  /// This step's share of the lines (fewer at the end).
+  void issue() noexcept { issue(per_step_); }
+  /// Every line not issued yet.
+  void flush() noexcept { issue(left_); }
+
+ private:
+  static constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+
   void issue(Index count) noexcept {
-    for (; count > 0 && left > 0; --count, --left) {
-      simd::prefetch(row + line * kPerLine);
-      if (++line == per_row) {
-        line = 0;
-        row += ld;
+    count = std::min(count, left_);
+    left_ -= count;
+    while (count > 0) {
+      const Index run = std::min(count, per_row_ - line_);
+      const S* p = base_ + row_ * ld_ + line_ * kPerLine;
+      for (Index c = 0; c < run; ++c) simd::prefetch(p + c * kPerLine);
+      count -= run;
+      line_ += run;
+      if (line_ == per_row_) {
+        line_ = 0;
+        ++row_;
       }
     }
   }
+
+  const S* base_ = nullptr;
+  Index ld_ = 0, per_row_ = 1, row_ = 0, line_ = 0, left_ = 0, per_step_ = 0;
 };
 
 /// Keys per step of qk_in_place (its NK) and of pv_in_place: what a PrefetchCursor's steps count.
@@ -151,6 +168,7 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
   static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
+  static_assert(kPvKeysPerStep == 2, "qkv: pv_in_place's step is two keys (p0, p1 below)");
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
   const Index full = Dv / L * L;
   const int tail = static_cast<int>(Dv - full);

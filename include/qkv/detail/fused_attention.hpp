@@ -344,7 +344,7 @@ class FusedAttention {
         const Index keys = std::min(sub_keys, n - jb);
         // A grouped task's prefetches of the rows kAhead ahead, paced over this sub-block's micro-kernel steps.
         PrefetchCursor<S> k_ahead;
-        if (grouped) {
+        if (grouped && ahead_rows(j0 + jb, keys) > 0) {
           k_ahead = PrefetchCursor<S>(k_tile + (jb + kAhead) * ldk, ldk, ahead_rows(j0 + jb, keys), k_span,
                                       t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
         }
@@ -358,7 +358,7 @@ class FusedAttention {
             });
           }
         }
-        k_ahead.issue(k_ahead.left);  // what the steps left (a last odd key has no step)
+        k_ahead.flush();  // keys left over after the last whole step issue nothing
       }
       const bool index_mask = visibility == TileVisibility::partial;
       finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, s.scaled);
@@ -377,7 +377,7 @@ class FusedAttention {
         for (Index jb = 0; jb < n; jb += sub_keys) {
           const Index keys = std::min(sub_keys, n - jb);
           PrefetchCursor<S> v_ahead;
-          if (grouped) {
+          if (grouped && ahead_rows(j0 + jb, keys) > 0) {
             v_ahead = PrefetchCursor<S>(v_tile + (jb + kAhead) * ldv, ldv, ahead_rows(j0 + jb, keys), v_span,
                                         t.n_kv * row_groups * ((keys + kPvStep - 1) / kPvStep));
           }
@@ -391,7 +391,7 @@ class FusedAttention {
               });
             }
           }
-          v_ahead.issue(v_ahead.left);
+          v_ahead.flush();
         }
       } else {
         for (Index hk = 0; hk < t.n_kv; ++hk) {

@@ -30,8 +30,9 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 
 /// Where a micro-kernel's left operand a[r][k] lies: at a[r·lda + k] (rows: Q, P, dS) or at a[r + k·lda] (columns:
 /// the backward's Pᵀ and dSᵀ, read in place from P and dS). The operand is only ever broadcast, so its layout costs
-/// no shuffles; a compile-time layout lets each strip's broadcasts walk one pointer (runtime strides cost the
-/// transposed products 5 % of their speed with clang++: bench/README.md, "Backward micro-kernels").
+/// no shuffles; a compile-time layout lets the compiler address each strip's broadcasts from one row pointer (runtime
+/// strides cost the transposed products about 6 % of their speed alone with clang++, 2 % of the whole backward:
+/// bench/README.md, "The backward's micro-kernels").
 enum class StripLayout { rows, columns };
 
 /// c[r][0 .. kVectors·lanes) = (c[r] if kAccumulate, else 0) + Σ_k a[r][k] · b[k][0 .. kVectors·lanes) for R rows
@@ -53,10 +54,9 @@ inline void strip_times_panel(const float* a, Index lda, const float* b, Index l
     typename Tag::Vec bv[NV];
     QKV_UNROLL for (int v = 0; v < NV; ++v) bv[v] = load(Tag(), b + k * ldb + v * L);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
-      const auto ab = set1(Tag(), kLayout == StripLayout::rows ? a[r * lda + k] : a[r]);
+      const auto ab = set1(Tag(), kLayout == StripLayout::rows ? a[r * lda + k] : a[r + k * lda]);
       QKV_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(ab, bv[v], acc[r][v]);
     }
-    if (kLayout == StripLayout::columns) a += lda;
   }
   QKV_UNROLL for (int r = 0; r < R; ++r) {
     QKV_UNROLL for (int v = 0; v < NV; ++v) store(Tag(), c + r * ldc + v * L, acc[r][v]);
@@ -121,10 +121,9 @@ inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stri
 
 /// o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `rows` rows, V packed by pack_values (chunks `chunk_stride`
 /// floats apart), p laid out as kLayout says (rows or columns ldp apart): pv_strip's sums for a whole block of rows,
-/// chunk by chunk. Every
-/// strip of kStrip rows passes over one chunk (keys × kChunk floats) before the next, so the chunk is read from L1
-/// while the block's other operands stream; pv_strip, strip by strip, would stream every chunk once per strip. Each
-/// element's sum runs over the keys in the same order as pv_strip's: the same bits.
+/// chunk by chunk. Every strip of kStrip rows passes over one chunk (keys × kChunk floats) before the next, so the
+/// chunk is read from L1 while the block's other operands stream; pv_strip, strip by strip, would stream every chunk
+/// once per strip. Each element's sum runs over the keys in the same order as pv_strip's: the same bits.
 template <class Tag, StripLayout kLayout = StripLayout::rows>
 inline void pv_block(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
                      Index rows, Index Dv) noexcept {
