@@ -121,6 +121,35 @@ void interleaved_round(int r, const Measure& measure, const RunA& run_a, const R
   }
 }
 
+// `rounds` interleaved rounds, each after the FMA loop, and the per-round ratios B / A (a ratio per round cancels the
+// machine's drift between rounds, which a ratio of medians would not): the backward and decode speed modes.
+struct PairedRounds {
+  std::vector<double> a, b, ratio;
+  int b_faster = 0;
+};
+template <class Measure, class RunA, class RunB>
+PairedRounds paired_rounds(int rounds, const Measure& measure, const RunA& run_a, const RunB& run_b) {
+  PairedRounds p;
+  for (int r = 0; r < rounds; ++r) {
+    fma_loop_gflops();
+    interleaved_round(r, measure, run_a, run_b, p.a, p.b);
+    p.ratio.push_back(p.b.back() / p.a.back());  // this round's pair, whichever ran first
+    p.b_faster += p.b.back() < p.a.back();
+  }
+  return p;
+}
+
+double median_of(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x[x.size() / 2];
+}
+
+void print_ratios(const PairedRounds& p) {
+  std::printf("B / A: median of the per-round ratios %.3f (range %.3f-%.3f); B faster in %d of %zu rounds\n",
+              median_of(p.ratio), *std::min_element(p.ratio.begin(), p.ratio.end()),
+              *std::max_element(p.ratio.begin(), p.ratio.end()), p.b_faster, p.ratio.size());
+}
+
 // Sets the calling thread's OpenMP team size for the next qkv call (the kernel uses omp_get_max_threads()).
 void set_threads(int n) {
 #if defined(_OPENMP)
@@ -881,26 +910,13 @@ int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p
 
   run_a();  // warm-up: page faults of the gradients and of both kernels' scratch
   run_b();
-  std::vector<double> a, b, ratio;
-  int b_faster = 0;
-  for (int r = 0; r < rounds; ++r) {
-    fma_loop_gflops();
-    interleaved_round(r, seconds, run_a, run_b, a, b);
-    ratio.push_back(b.back() / a.back());  // this round's pair, whichever ran first
-    b_faster += b.back() < a.back();
-  }
-  const auto median = [](std::vector<double> x) {
-    std::sort(x.begin(), x.end());
-    return x[x.size() / 2];
-  };
+  const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b);
   std::printf(
       "backward T=%ld D=%ld causal=%d (B = 1, H = 8, BHSD), one thread, %d rounds; A = qkv (%s), B = qkv_b (%s)\n", T,
       D, int(causal), rounds, qkv::isa_name(), qkv_b::isa_name());
-  std::printf("A median %9.3f ms\n", median(a) * 1e3);
-  std::printf("B median %9.3f ms\n", median(b) * 1e3);
-  std::printf("B / A: median of the per-round ratios %.3f (range %.3f-%.3f); B faster in %d of %d rounds\n",
-              median(ratio), *std::min_element(ratio.begin(), ratio.end()),
-              *std::max_element(ratio.begin(), ratio.end()), b_faster, rounds);
+  std::printf("A median %9.3f ms\n", median_of(p.a) * 1e3);
+  std::printf("B median %9.3f ms\n", median_of(p.b) * 1e3);
+  print_ratios(p);
   const GradientDiff diff = compare_gradients(a_grad, b_grad);
   if (diff.bits() == 0) {
     std::printf("dQ, dK, dV of A and B: bit-identical\n");
@@ -1149,28 +1165,15 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds) 
 
   run_a();  // warm-up: page faults of both kernels' scratch
   run_b();
-  std::vector<double> a, b, ratio;
-  int b_faster = 0;
-  for (int r = 0; r < rounds; ++r) {
-    fma_loop_gflops();
-    interleaved_round(r, seconds, run_a, run_b, a, b);
-    ratio.push_back(b.back() / a.back());  // this round's pair, whichever ran first
-    b_faster += b.back() < a.back();
-  }
-  const auto median = [](std::vector<double> x) {
-    std::sort(x.begin(), x.end());
-    return x[x.size() / 2];
-  };
+  const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b);
   const double kv_bytes = 2.0 * double(kv_size) * double(sizeof(S));
   std::printf(
       "decode Skv=%ld %s %s K/V (B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128), one thread, %d rounds; A = qkv (%s), "
       "B = qkv_b (%s)\n",
       Skv, layout == Layout::bhsd ? "bhsd" : "bshd", storage, rounds, qkv::isa_name(), qkv_b::isa_name());
-  std::printf("A median %9.1f us (%6.1f GB/s of K and V)\n", median(a) * 1e6, kv_bytes / median(a) * 1e-9);
-  std::printf("B median %9.1f us (%6.1f GB/s of K and V)\n", median(b) * 1e6, kv_bytes / median(b) * 1e-9);
-  std::printf("B / A: median of the per-round ratios %.3f (range %.3f-%.3f); B faster in %d of %d rounds\n",
-              median(ratio), *std::min_element(ratio.begin(), ratio.end()),
-              *std::max_element(ratio.begin(), ratio.end()), b_faster, rounds);
+  std::printf("A median %9.1f us (%6.1f GB/s of K and V)\n", median_of(p.a) * 1e6, kv_bytes / median_of(p.a) * 1e-9);
+  std::printf("B median %9.1f us (%6.1f GB/s of K and V)\n", median_of(p.b) * 1e6, kv_bytes / median_of(p.b) * 1e-9);
+  print_ratios(p);
   const BitDiff diff = compare_bits(out_a, out_b);
   if (diff.values == 0) {
     std::printf("out of A and B: bit-identical\n");
