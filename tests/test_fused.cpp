@@ -589,4 +589,50 @@ TEST(FusedEmulated16, BitIdenticalToTheAvx512Kernel) {
 }
 #endif
 
+// PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps and the
+// flush it hands out the first address of every 64-byte line of each row's span exactly once, in memory order, no
+// more than its share per step, and nothing outside the spans (addresses only; nothing is read). Expected addresses
+// are enumerated here line by line, row by row.
+template <class S>
+void check_prefetch_cursor(Index ld, Index rows, Index span, Index steps, Index calls) {
+  constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+  std::vector<S> buffer(static_cast<std::size_t>(std::max<Index>(rows, 0) * ld + 1));
+  const S* first = buffer.data();
+  std::vector<const S*> expected;
+  for (Index r = 0; r < rows; ++r) {
+    for (Index e = 0; e < span; e += kPerLine) expected.push_back(first + r * ld + e);
+  }
+  const Index share = steps > 0 ? (Index(expected.size()) + steps - 1) / steps : Index(expected.size());
+  std::vector<const S*> seen;
+  const auto record = [&](const S* p) { seen.push_back(p); };
+  qkv_test::emulated_pass::PrefetchCursor<S> cursor(first, ld, rows, span, steps);
+  for (Index c = 0; c < calls; ++c) {
+    const std::size_t before = seen.size();
+    cursor.issue(record);
+    EXPECT_LE(Index(seen.size() - before), share) << "step " << c;
+  }
+  cursor.flush(record);
+  cursor.flush(record);  // a second flush has nothing left
+  cursor.issue(record);  // nor has a step after it
+  EXPECT_EQ(seen, expected) << "ld " << ld << ", rows " << rows << ", span " << span << ", steps " << steps
+                            << ", issue calls " << calls;
+}
+
+TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
+  // Token-major rows that abut (Hkv = 8, D = 128 floats: one run of lines), at the kernel's pace and with fewer
+  // steps than planned (a sub-block's odd last key): the flush issues the rest.
+  check_prefetch_cursor<float>(1024, 16, 1024, 64, 64);
+  check_prefetch_cursor<float>(1024, 16, 1024, 64, 61);
+  // Rows with gaps between the spans (padded rows, or a task of fewer heads than the row holds) and a span that
+  // ends inside a line.
+  check_prefetch_cursor<float>(1100, 5, 1000, 7, 7);
+  check_prefetch_cursor<float>(1008, 3, 1000, 4, 2);
+  check_prefetch_cursor<Eigen::half>(1024, 16, 1024, 64, 64);
+  check_prefetch_cursor<Eigen::half>(520, 4, 260, 9, 9);
+  check_prefetch_cursor<Eigen::bfloat16>(512, 2, 40, 3, 0);  // flush alone
+  // No rows ahead: nothing at all; no steps: one share of everything.
+  check_prefetch_cursor<float>(1024, 0, 1024, 8, 8);
+  check_prefetch_cursor<float>(1024, 2, 1024, 0, 1);
+}
+
 }  // namespace

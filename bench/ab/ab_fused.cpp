@@ -587,12 +587,15 @@ Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, un
       p.dropout_offset = 7;
       break;
     case Preset::nan_window:  // NaN in K and ∞ in V where a causal window shows them to few rows, so that they reach
-                              // some gradients and not others (nan_visible, unmasked, makes whole kv groups NaN)
+                              // some gradients and not others (nan_visible, unmasked, makes whole kv groups NaN).
+      // Bottom-right causal with a 64-key window: row i sees keys i + Skv − Sq − 63 … i + Skv − Sq. Key
+      // Skv − ⌈Sq/2⌉ is the diagonal of row ⌊Sq/2⌋ and key Skv − ⌈2·Sq/3⌉ of row ⌊Sq/3⌋, each seen by the next 64
+      // rows only; where Sq > Skv those keys lie before 0 and Skv/2, Skv/3 are seen by a band of late rows.
       p.causal = true;
       p.window_left = 63;
       p.global_tokens = 2;
-      p.k_at(0, 0, p.Skv / 2, p.D - 1) = kNaN;
-      p.v_at(p.B - 1, p.Hkv - 1, p.Skv / 3, 0) = kInf;
+      p.k_at(0, 0, std::max(p.Skv - (p.Sq + 1) / 2, p.Skv / 2), p.D - 1) = kNaN;
+      p.v_at(p.B - 1, p.Hkv - 1, std::max(p.Skv - (2 * p.Sq + 2) / 3, p.Skv / 3), 0) = kInf;
       break;
   }
   return p;

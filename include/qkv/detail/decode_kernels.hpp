@@ -50,20 +50,34 @@ class PrefetchCursor {
     per_step_ = (left_ + calls - 1) / calls;
   }
   /// This step's share of the lines (fewer at the end).
-  void issue() noexcept { issue(per_step_); }
+  void issue() noexcept { issue(Prefetch()); }
   /// Every line not issued yet.
-  void flush() noexcept { issue(left_); }
+  void flush() noexcept { flush(Prefetch()); }
+  /// issue() and flush() handing each line's first address to `line(const S*)` instead of prefetching it (the tests
+  /// read the addresses this way).
+  template <class Line>
+  void issue(Line&& line) noexcept {
+    take(per_step_, line);
+  }
+  template <class Line>
+  void flush(Line&& line) noexcept {
+    take(left_, line);
+  }
 
  private:
   static constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+  struct Prefetch {
+    void operator()(const S* p) const noexcept { simd::prefetch(p); }
+  };
 
-  void issue(Index count) noexcept {
+  template <class Line>
+  void take(Index count, Line& line) noexcept {
     count = std::min(count, left_);
     left_ -= count;
     while (count > 0) {
       const Index run = std::min(count, per_row_ - line_);
       const S* p = base_ + row_ * ld_ + line_ * kPerLine;
-      for (Index c = 0; c < run; ++c) simd::prefetch(p + c * kPerLine);
+      for (Index c = 0; c < run; ++c) line(p + c * kPerLine);
       count -= run;
       line_ += run;
       if (line_ == per_row_) {
