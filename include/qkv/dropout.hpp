@@ -97,29 +97,39 @@ namespace detail {
 /// element's position), so the mask is recomputed, never stored, and a backward pass sees the forward's mask.
 template <class T>
 struct DropoutRule {
+  /// The stream key of (seed, offset) and the keep threshold round((1 − p)·2^32), both in the documented keying.
+  struct Stream {
+    std::array<std::uint32_t, 2> key;
+    std::uint64_t threshold;
+  };
+
   T p = T(0);           ///< drop probability, in [0, 1] (validated at the boundary)
   T keep_scale = T(1);  ///< 1/(1 − p) rounded to T (unused when p == 1)
   std::uint64_t seed = 0, offset = 0;
+  Stream stream_ = stream_of(T(0), 0, 0);  ///< of p, seed and offset: set by make()
 
   /// The rule of drop probability p (in [0, 1]) with this seed and offset: keep_scale = 1/(1 − p), or 1 for p = 1.
+  /// Its stream (one generator call) is computed here once, not per row: a rule is made, then only read (a changed
+  /// p, seed or offset wants a new rule).
   static DropoutRule make(T p, std::uint64_t seed, std::uint64_t offset) noexcept {
     DropoutRule rule;
     rule.p = p;
     rule.keep_scale = p < T(1) ? T(1) / (T(1) - p) : T(1);
     rule.seed = seed;
     rule.offset = offset;
+    rule.stream_ = stream_of(p, seed, offset);
     return rule;
   }
 
   /// Whether any weight can be dropped: p > 0. With p = 0 no dropout code runs at all.
   bool active() const noexcept { return p > T(0); }
 
-  /// The stream key of (seed, offset) and the keep threshold round((1 − p)·2^32), both in the documented keying.
-  struct Stream {
-    std::array<std::uint32_t, 2> key;
-    std::uint64_t threshold;
-  };
-  Stream stream() const noexcept {
+  /// The stream of this rule's (seed, offset) and p, as make() computed it.
+  Stream stream() const noexcept { return stream_; }
+
+  /// The stream of (p, seed, offset): words 0 and 1 of philox4x32_10((lo32(offset), hi32(offset), 0, 0),
+  /// (lo32(seed), hi32(seed))) and round((1 − p)·2^32). Complexity: one generator call.
+  static Stream stream_of(T p, std::uint64_t seed, std::uint64_t offset) noexcept {
     const std::array<std::uint32_t, 4> words =
         philox4x32_10({static_cast<std::uint32_t>(offset), static_cast<std::uint32_t>(offset >> 32), 0u, 0u},
                       {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
