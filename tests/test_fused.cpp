@@ -589,33 +589,46 @@ TEST(FusedEmulated16, BitIdenticalToTheAvx512Kernel) {
 }
 #endif
 
-// PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps and the
-// flush it hands out the first address of every 64-byte line of each row's span exactly once, in memory order, no
-// more than its share per step, and nothing outside the spans (addresses only; nothing is read). Expected addresses
+// PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps
+// (next_run) and the flush it hands out the first address of every 64-byte line of each row's span exactly once, in
+// memory order, and nothing outside the spans (addresses only; nothing is read). A step's run is min(share, lines
+// left) lines where the rows abut, and never crosses the end of a row's span where they do not. Expected addresses
 // are enumerated here line by line, row by row.
 template <class S>
 void check_prefetch_cursor(Index ld, Index rows, Index span, Index steps, Index calls) {
-  constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
+  using Cursor = qkv_test::emulated_pass::PrefetchCursor<S>;
+  constexpr Index kPerLine = Cursor::kElementsPerLine;
+  static_assert(kPerLine * static_cast<Index>(sizeof(S)) == 64, "a line is 64 bytes");
   std::vector<S> buffer(static_cast<std::size_t>(std::max<Index>(rows, 0) * ld + 1));
   const S* first = buffer.data();
   std::vector<const S*> expected;
   for (Index r = 0; r < rows; ++r) {
     for (Index e = 0; e < span; e += kPerLine) expected.push_back(first + r * ld + e);
   }
+  const Index lines_per_row = (span + kPerLine - 1) / kPerLine;
+  const bool abut = ld == lines_per_row * kPerLine;
   const Index share = steps > 0 ? (Index(expected.size()) + steps - 1) / steps : Index(expected.size());
+  const std::string where = "ld " + std::to_string(ld) + ", rows " + std::to_string(rows) + ", span " +
+                            std::to_string(span) + ", steps " + std::to_string(steps) + ", calls " +
+                            std::to_string(calls);
   std::vector<const S*> seen;
-  const auto record = [&](const S* p) { seen.push_back(p); };
-  qkv_test::emulated_pass::PrefetchCursor<S> cursor(first, ld, rows, span, steps);
+  Cursor cursor(first, ld, rows, span, steps);
   for (Index c = 0; c < calls; ++c) {
-    const std::size_t before = seen.size();
-    cursor.issue(record);
-    EXPECT_LE(Index(seen.size() - before), share) << "step " << c;
+    const typename Cursor::Run run = cursor.next_run();
+    const Index left = Index(expected.size() - seen.size());
+    if (abut) {
+      EXPECT_EQ(run.lines, std::min(share, left)) << where << ", step " << c;
+    } else {
+      EXPECT_LE(run.lines, share) << where << ", step " << c;
+      EXPECT_TRUE(run.lines > 0 || left == 0) << where << ", step " << c << ": no progress";
+    }
+    for (Index t = 0; t < run.lines; ++t) seen.push_back(run.first + t * kPerLine);
   }
+  const auto record = [&](const S* p) { seen.push_back(p); };
   cursor.flush(record);
   cursor.flush(record);  // a second flush has nothing left
-  cursor.issue(record);  // nor has a step after it
-  EXPECT_EQ(seen, expected) << "ld " << ld << ", rows " << rows << ", span " << span << ", steps " << steps
-                            << ", issue calls " << calls;
+  EXPECT_EQ(cursor.next_run().lines, 0) << where << ": a step after the flush";
+  EXPECT_EQ(seen, expected) << where;
 }
 
 TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
@@ -626,6 +639,7 @@ TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
   // Rows with gaps between the spans (padded rows, or a task of fewer heads than the row holds) and a span that
   // ends inside a line.
   check_prefetch_cursor<float>(1100, 5, 1000, 7, 7);
+  // A span that ends inside a line whose rest is the gap to the next row: the rows' lines abut (one run).
   check_prefetch_cursor<float>(1008, 3, 1000, 4, 2);
   check_prefetch_cursor<Eigen::half>(1024, 16, 1024, 64, 64);
   check_prefetch_cursor<Eigen::half>(520, 4, 260, 9, 9);

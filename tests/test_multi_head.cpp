@@ -21,7 +21,6 @@
 #include <complex>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -39,6 +38,7 @@
 #include "safetensors.hpp"
 #include "support/counting_allocator.hpp"  // this file is the one translation unit of test_multi_head that includes it
 #include "support/expect_shape_error.hpp"
+#include "support/npy.hpp"
 #include "support/problem.hpp"
 #include "support/type_lists.hpp"
 
@@ -72,13 +72,6 @@ bool little_endian() {
   return first == 1;
 }
 
-template <class Stored>
-std::vector<double> read_values(std::istream& in, std::size_t count) {
-  std::vector<Stored> raw(count);
-  in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(Stored)));
-  return std::vector<double>(raw.begin(), raw.end());
-}
-
 /// Reads a safetensors fixture (tests/fixtures/README.md) with examples/safetensors.hpp.
 Fixture read_fixture(const std::string& path) {
   safetensors::File file = safetensors::read(path);
@@ -89,40 +82,11 @@ Fixture read_fixture(const std::string& path) {
   return fixture;
 }
 
-/// Reads a NumPy .npy file of little-endian float32 in C order (format versions 1-3).
+/// Reads a NumPy .npy file of little-endian float32 in C order (support/npy.hpp), widened to double.
 Array read_npy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  char magic[8];
-  in.read(magic, 8);
-  if (std::memcmp(magic, "\x93NUMPY", 6) != 0) throw std::runtime_error(path + ": not a .npy file");
-  std::uint32_t header_length = 0;
-  if (magic[6] == 1) {
-    unsigned char b[2];
-    in.read(reinterpret_cast<char*>(b), 2);
-    header_length = b[0] | (b[1] << 8);
-  } else {
-    unsigned char b[4];
-    in.read(reinterpret_cast<char*>(b), 4);
-    header_length = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<std::uint32_t>(b[3]) << 24);
-  }
-  std::string header(header_length, ' ');
-  in.read(&header[0], header_length);
-  if (header.find("'descr': '<f4'") == std::string::npos || header.find("'fortran_order': False") == std::string::npos)
-    throw std::runtime_error(path + ": expected little-endian float32 in C order, header " + header);
-  Array array;
-  array.dtype = "F32";
-  const std::size_t open = header.find('(', header.find("'shape'")), close = header.find(')', open);
-  std::istringstream shape(header.substr(open + 1, close - open - 1));
-  std::size_t count = 1;
-  for (std::string part; std::getline(shape, part, ',');) {
-    if (part.find_first_not_of(' ') == std::string::npos) continue;
-    array.shape.push_back(std::stol(part));
-    count *= static_cast<std::size_t>(array.shape.back());
-  }
-  array.data = read_values<float>(in, count);
-  if (!in) throw std::runtime_error(path + ": truncated");
-  return array;
+  qkv_test::NpyArray npy = qkv_test::read_npy_float32(path);
+  return Array{"F32", std::vector<Index>(npy.shape.begin(), npy.shape.end()),
+               std::vector<double>(npy.values.begin(), npy.values.end())};
 }
 
 std::string fixture_path(const std::string& name) { return std::string(QKV_TEST_FIXTURES_DIR) + "/" + name; }

@@ -106,19 +106,15 @@ struct DropoutRule {
   T p = T(0);           ///< drop probability, in [0, 1] (validated at the boundary)
   T keep_scale = T(1);  ///< 1/(1 − p) rounded to T (unused when p == 1)
   std::uint64_t seed = 0, offset = 0;
-  Stream stream_ = stream_of(T(0), 0, 0);  ///< of p, seed and offset: set by make()
+
+  /// The rule that drops nothing (p = 0, seed 0, offset 0).
+  DropoutRule() noexcept : DropoutRule(T(0), 0, 0) {}
 
   /// The rule of drop probability p (in [0, 1]) with this seed and offset: keep_scale = 1/(1 − p), or 1 for p = 1.
   /// Its stream (one generator call) is computed here once, not per row: a rule is made, then only read (a changed
   /// p, seed or offset wants a new rule).
   static DropoutRule make(T p, std::uint64_t seed, std::uint64_t offset) noexcept {
-    DropoutRule rule;
-    rule.p = p;
-    rule.keep_scale = p < T(1) ? T(1) / (T(1) - p) : T(1);
-    rule.seed = seed;
-    rule.offset = offset;
-    rule.stream_ = stream_of(p, seed, offset);
-    return rule;
+    return DropoutRule(p, seed, offset);
   }
 
   /// Whether any weight can be dropped: p > 0. With p = 0 no dropout code runs at all.
@@ -148,7 +144,7 @@ struct DropoutRule {
 
   /// Whether the weight of (sequence, query head h, query position i, key position j) is kept; positions are
   /// positions in the sequence (GLOBAL positions when options.global_positions is set: the caller adds q_begin and
-  /// k_begin). i, j ≥ 0. Two generator calls (the stream key and the word); `apply_row` is the fast form for a row.
+  /// k_begin). i, j ≥ 0. One generator call (the stream key is the rule's); `apply_row` is the fast form for a row.
   bool keep(Index sequence, Index h, Index i, Index j) const noexcept {
     const Stream s = stream();
     const std::array<std::uint32_t, 4> words = philox4x32_10(counter(sequence, h, i, j), s.key);
@@ -166,8 +162,7 @@ struct DropoutRule {
   /// detail::DropoutLanes, compiled with this translation unit's flags; a kernel passes its own ISA's copy
   /// (detail/dropout_lanes.hpp). Every Lanes gives the same bits.
   /// Complexity: O(n): the multiplications of one generator call per 4 keys (for a last chunk of kMinBatchKeys … 127
-  /// keys, of 32 calls) and one for the stream key; about 1 KiB of stack, no allocation; thread-safe (reads the rule
-  /// only). Throws nothing.
+  /// keys, of 32 calls); about 1 KiB of stack, no allocation; thread-safe (reads the rule only). Throws nothing.
   template <class Lanes = DropoutLanes, class U>
   void apply_row(Index sequence, Index h, Index i, Index j_begin, Index n, U* row) const noexcept {
     apply_row<Lanes>(sequence, h, i, j_begin, n, row, static_cast<U*>(nullptr));
@@ -232,6 +227,16 @@ struct DropoutRule {
     }
     while (t < count) t = scalar_group(t);
   }
+
+ private:
+  DropoutRule(T p_, std::uint64_t seed_, std::uint64_t offset_) noexcept
+      : p(p_),
+        keep_scale(p_ < T(1) ? T(1) / (T(1) - p_) : T(1)),
+        seed(seed_),
+        offset(offset_),
+        stream_(stream_of(p_, seed_, offset_)) {}
+
+  Stream stream_;  ///< stream_of(p, seed, offset), computed once
 };
 
 }  // namespace detail

@@ -30,63 +30,66 @@ inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
 /// The cache lines of `rows` whole key rows of token-major K or V (`span` elements from each row's start, rows `ld`
-/// apart), in memory order, prefetched a share at a time from inside the decoding micro-kernels (one `issue` per step
-/// of keys, `flush` for what the steps left): a grouped decoding task (fused_attention.hpp) paces the next
-/// sub-block's prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4: 16 lines of float or 8
-/// of 16-bit storage per step). Issued in one burst before the arithmetic, they filled the miss queue and stalled it:
-/// bench/README.md, "Paced prefetch in token-major decode". Addresses are formed only for lines inside the rows.
-/// Complexity: O(1) per line; throws nothing.
+/// apart), in memory order, handed out a share at a time to the decoding micro-kernels (one `next_run` per step of
+/// keys, `flush` for what the steps left): a grouped decoding task (fused_attention.hpp) paces the next sub-block's
+/// prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4: 16 lines of float or 8 of 16-bit
+/// storage per step), and each step issues its lines one per vector column of its loop, between the FMAs. Issued in
+/// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
+/// tight loop, clang++'s float decode took 1.35 × as long (bench/README.md, "Paced prefetch in token-major decode" and
+/// "Prefetches between the FMAs"). Addresses are formed only for lines inside the rows. Complexity: O(1) per line;
+/// throws nothing.
 template <class S>
 class PrefetchCursor {
  public:
+  static constexpr Index kElementsPerLine = 64 / static_cast<Index>(sizeof(S));
+
   PrefetchCursor() = default;
   /// The lines of rows first, first + ld, …, (rows of them; none if rows ≤ 0, and then `first` is not used), `span`
-  /// elements of each, spread over `steps` calls of issue().
+  /// elements of each, spread over `steps` calls of next_run().
   PrefetchCursor(const S* first, Index ld, Index rows, Index span, Index steps) noexcept
-      : base_(first), ld_(ld), per_row_((span + kPerLine - 1) / kPerLine) {
+      : base_(first), ld_(ld), per_row_((span + kElementsPerLine - 1) / kElementsPerLine) {
     left_ = rows > 0 ? rows * per_row_ : 0;
-    if (ld_ == per_row_ * kPerLine) per_row_ = std::max<Index>(left_, 1);  // rows that abut: one run of lines
+    if (ld_ == per_row_ * kElementsPerLine) per_row_ = std::max<Index>(left_, 1);  // rows that abut: one run of lines
     const Index calls = std::max<Index>(steps, 1);
     per_step_ = (left_ + calls - 1) / calls;
   }
-  /// This step's share of the lines (fewer at the end).
-  void issue() noexcept { issue(Prefetch()); }
-  /// Every line not issued yet.
-  void flush() noexcept { flush(Prefetch()); }
-  /// issue() and flush() handing each line's first address to `line(const S*)` instead of prefetching it (the tests
-  /// read the addresses this way).
-  template <class Line>
-  void issue(Line&& line) noexcept {
-    take(per_step_, line);
+  /// Prefetches every line not handed out yet.
+  void flush() noexcept {
+    flush([](const S* p) { simd::prefetch(p); });
   }
+  /// flush() handing each line's first address to `line(const S*)`, which must not throw, instead of prefetching it
+  /// (the tests read the addresses this way).
   template <class Line>
   void flush(Line&& line) noexcept {
-    take(left_, line);
-  }
-
- private:
-  static constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
-  struct Prefetch {
-    void operator()(const S* p) const noexcept { simd::prefetch(p); }
-  };
-
-  template <class Line>
-  void take(Index count, Line& line) noexcept {
-    count = std::min(count, left_);
-    left_ -= count;
-    while (count > 0) {
-      const Index run = std::min(count, per_row_ - line_);
-      const S* p = base_ + row_ * ld_ + line_ * kPerLine;
-      for (Index c = 0; c < run; ++c) line(p + c * kPerLine);
-      count -= run;
-      line_ += run;
-      if (line_ == per_row_) {
+    for (; left_ > 0; --left_) {
+      line(base_ + row_ * ld_ + line_ * kElementsPerLine);
+      if (++line_ == per_row_) {
         line_ = 0;
         ++row_;
       }
     }
   }
+  /// `lines` consecutive cache lines from `first`.
+  struct Run {
+    const S* first = nullptr;
+    Index lines = 0;
+  };
+  /// This step's share as one run of consecutive lines, for the caller to prefetch spread over the step's
+  /// arithmetic; a share that would cross the end of a row's span ends there (later steps and flush issue the rest).
+  Run next_run() noexcept {
+    const Index count = std::min(std::min(per_step_, left_), per_row_ - line_);
+    if (count <= 0) return Run();
+    const Run run{base_ + row_ * ld_ + line_ * kElementsPerLine, count};
+    left_ -= count;
+    line_ += count;
+    if (line_ == per_row_) {
+      line_ = 0;
+      ++row_;
+    }
+    return run;
+  }
 
+ private:
   const S* base_ = nullptr;
   Index ld_ = 0, per_row_ = 1, row_ = 0, line_ = 0, left_ = 0, per_step_ = 0;
 };
@@ -102,8 +105,8 @@ inline constexpr Index kPvKeysPerStep = 2;
 /// rows of q, accumulating vertically over d; the R × NK sums are then reduced four at a time by a transposing
 /// reduction (reduce_sum4), not one horizontal reduction per (row, key). D tails by masked loads, so nothing past
 /// a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half or Eigen::bfloat16) and
-/// converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given, issues its share of
-/// prefetches once per step of NK keys.
+/// converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given, hands each step of
+/// NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the FMAs.
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
@@ -120,11 +123,14 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
     Vec acc[R * NK];
     QKV_UNROLL for (int a = 0; a < R * NK; ++a) acc[a] = zero(Tag());
     const S* key = k + j * ldk;
-    if (ahead != nullptr) ahead->issue();
+    typename PrefetchCursor<S>::Run run;
+    if (ahead != nullptr) run = ahead->next_run();
+    Index issued = 0;
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for (Index d = 0; d < d_full; d += L) {
+      if (issued < run.lines) prefetch(run.first + (issued++) * PrefetchCursor<S>::kElementsPerLine);
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv(Tag(), key + c * ldk + d);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
@@ -140,6 +146,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
     }
+    for (; issued < run.lines; ++issued) prefetch(run.first + issued * PrefetchCursor<S>::kElementsPerLine);
     // Sums in (row, key) order, four at a time; then each row's NK scores go to its row of s.
     constexpr int kSums = (R * NK + 3) / 4 * 4;
     float sums[kSums];
@@ -174,7 +181,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// at a time: the 2·R weights sit in registers, and each acc_o vector (L1) is loaded and stored once per two keys
 /// instead of once per key. Per V line: 2 V loads, R acc_o loads and R stores, 2·R FMAs per vector. Dv tails by
 /// masked loads; an odd last key alone. V is stored as S and converted as it is loaded, like K in qk_in_place.
-/// `ahead`, if given, issues its share of prefetches once per two keys.
+/// `ahead`, if given, hands each two keys its run of lines, prefetched one per vector column between the FMAs.
 template <class Tag, int R, class S>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
@@ -190,7 +197,9 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
   for (; j + 2 <= keys; j += 2) {
     const S* v0 = v + j * ldv;
     const S* v1 = v0 + ldv;
-    if (ahead != nullptr) ahead->issue();
+    typename PrefetchCursor<S>::Run run;
+    if (ahead != nullptr) run = ahead->next_run();
+    Index issued = 0;
     if (j + kDecodePrefetchKeys + 2 <= keys) {
       prefetch_row(v0 + kDecodePrefetchKeys * ldv, Dv);
       prefetch_row(v1 + kDecodePrefetchKeys * ldv, Dv);
@@ -201,11 +210,13 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
       p1[r] = set1(Tag(), p[r * ldp + j + 1]);
     }
     for (Index c = 0; c < full; c += L) {
+      if (issued < run.lines) prefetch(run.first + (issued++) * PrefetchCursor<S>::kElementsPerLine);
       const Vec a = load_kv(Tag(), v0 + c), b = load_kv(Tag(), v1 + c);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         store(Tag(), o + r * ldo + c, fmadd(p1[r], b, fmadd(p0[r], a, load(Tag(), o + r * ldo + c))));
       }
     }
+    for (; issued < run.lines; ++issued) prefetch(run.first + issued * PrefetchCursor<S>::kElementsPerLine);
     if (tail > 0) {
       const Vec a = load_kv_partial(Tag(), v0 + full, tail), b = load_kv_partial(Tag(), v1 + full, tail);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
