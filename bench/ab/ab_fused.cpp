@@ -589,8 +589,9 @@ Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, un
     case Preset::nan_window:  // NaN in K and ∞ in V where a causal window shows them to few rows, so that they reach
                               // some gradients and not others (nan_visible, unmasked, makes whole kv groups NaN).
       // Bottom-right causal with a 64-key window: row i sees keys i + Skv − Sq − 63 … i + Skv − Sq. Key
-      // Skv − ⌈Sq/2⌉ is the diagonal of row ⌊Sq/2⌋ and key Skv − ⌈2·Sq/3⌉ of row ⌊Sq/3⌋, each seen by the next 64
-      // rows only; where Sq > Skv those keys lie before 0 and Skv/2, Skv/3 are seen by a band of late rows.
+      // Skv − ⌈Sq/2⌉ is the diagonal of row ⌊Sq/2⌋ and key Skv − ⌈2·Sq/3⌉ of row ⌊Sq/3⌋, each seen by that row and
+      // the 63 after it (up to Sq); where those keys fall before Skv/2 and Skv/3 (Sq ≥ Skv), keys Skv/2 and Skv/3
+      // are used, seen by a band of late rows.
       p.causal = true;
       p.window_left = 63;
       p.global_tokens = 2;
