@@ -103,6 +103,8 @@ struct DropoutRule {
     std::uint64_t threshold;
   };
 
+  // The fields are read, not written: stream_ is derived from them once (make()); a new p, seed or offset is a
+  // new rule.
   T p = T(0);           ///< drop probability, in [0, 1] (validated at the boundary)
   T keep_scale = T(1);  ///< 1/(1 − p) rounded to T (unused when p == 1)
   std::uint64_t seed = 0, offset = 0;

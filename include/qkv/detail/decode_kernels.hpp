@@ -69,17 +69,26 @@ class PrefetchCursor {
       }
     }
   }
-  /// `lines` consecutive cache lines from `first`.
+  /// `lines` consecutive cache lines from `first`, the first `issued` of them prefetched.
   struct Run {
     const S* first = nullptr;
     Index lines = 0;
+    Index issued = 0;
+    /// Prefetches the next line, if any: one call per vector column of a micro-kernel's loop.
+    void issue_next() noexcept {
+      if (issued < lines) simd::prefetch(first + (issued++) * kElementsPerLine);
+    }
+    /// Prefetches the lines the loop left (a loop of fewer columns than lines).
+    void issue_rest() noexcept {
+      for (; issued < lines; ++issued) simd::prefetch(first + issued * kElementsPerLine);
+    }
   };
   /// This step's share as one run of consecutive lines, for the caller to prefetch spread over the step's
   /// arithmetic; a share that would cross the end of a row's span ends there (later steps and flush issue the rest).
   Run next_run() noexcept {
     const Index count = std::min(std::min(per_step_, left_), per_row_ - line_);
     if (count <= 0) return Run();
-    const Run run{base_ + row_ * ld_ + line_ * kElementsPerLine, count};
+    const Run run{base_ + row_ * ld_ + line_ * kElementsPerLine, count, 0};
     left_ -= count;
     line_ += count;
     if (line_ == per_row_) {
@@ -125,12 +134,11 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
     const S* key = k + j * ldk;
     typename PrefetchCursor<S>::Run run;
     if (ahead != nullptr) run = ahead->next_run();
-    Index issued = 0;
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for (Index d = 0; d < d_full; d += L) {
-      if (issued < run.lines) prefetch(run.first + (issued++) * PrefetchCursor<S>::kElementsPerLine);
+      run.issue_next();
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv(Tag(), key + c * ldk + d);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
@@ -146,7 +154,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
     }
-    for (; issued < run.lines; ++issued) prefetch(run.first + issued * PrefetchCursor<S>::kElementsPerLine);
+    run.issue_rest();
     // Sums in (row, key) order, four at a time; then each row's NK scores go to its row of s.
     constexpr int kSums = (R * NK + 3) / 4 * 4;
     float sums[kSums];
@@ -199,7 +207,6 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
     const S* v1 = v0 + ldv;
     typename PrefetchCursor<S>::Run run;
     if (ahead != nullptr) run = ahead->next_run();
-    Index issued = 0;
     if (j + kDecodePrefetchKeys + 2 <= keys) {
       prefetch_row(v0 + kDecodePrefetchKeys * ldv, Dv);
       prefetch_row(v1 + kDecodePrefetchKeys * ldv, Dv);
@@ -210,13 +217,13 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
       p1[r] = set1(Tag(), p[r * ldp + j + 1]);
     }
     for (Index c = 0; c < full; c += L) {
-      if (issued < run.lines) prefetch(run.first + (issued++) * PrefetchCursor<S>::kElementsPerLine);
+      run.issue_next();
       const Vec a = load_kv(Tag(), v0 + c), b = load_kv(Tag(), v1 + c);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         store(Tag(), o + r * ldo + c, fmadd(p1[r], b, fmadd(p0[r], a, load(Tag(), o + r * ldo + c))));
       }
     }
-    for (; issued < run.lines; ++issued) prefetch(run.first + issued * PrefetchCursor<S>::kElementsPerLine);
+    run.issue_rest();
     if (tail > 0) {
       const Vec a = load_kv_partial(Tag(), v0 + full, tail), b = load_kv_partial(Tag(), v1 + full, tail);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
