@@ -128,6 +128,24 @@ TYPED_TEST(Simd, Exp2EdgeValues) {
   EXPECT_EQ(y[11], inf);
 }
 
+TYPED_TEST(Simd, Exp2OfSixteenLanesIsZeroBelowMinus126) {
+  // The 16-lane tags (AVX-512 and the emulated one: vreduceps, vscalefps under a zeroing mask) give exactly 0 for
+  // every x < −126 and never a subnormal, which would cost Intel cores a microcode assist in the P·V FMAs; 2^−126 at
+  // x = −126 and within 2 ulp just above. (The 8-lane tag gives subnormals for x in (−126.5, −126), the scalar tag,
+  // the C library's exp2, down to −149.)
+  if (TypeParam::kLanes != 16) GTEST_SKIP() << "the 16-lane exp2's rule";
+  std::vector<float> x;
+  for (double v = -160.0; v < -126.0; v += 1.0 / 64) x.push_back(static_cast<float>(v));
+  x.push_back(std::nextafter(-126.0f, -200.0f));
+  x.push_back(-std::numeric_limits<float>::infinity());
+  const auto y = vector_exp2<TypeParam>(x);
+  for (std::size_t n = 0; n < x.size(); ++n) EXPECT_EQ(y[n], 0.0f) << "exp2(" << x[n] << ")";
+  const std::vector<float> at = {-126.0f, std::nextafter(-126.0f, 0.0f), -125.75f, -125.5f, -125.25f};
+  const auto z = vector_exp2<TypeParam>(at);
+  EXPECT_EQ(z[0], FLT_MIN);
+  for (std::size_t n = 1; n < at.size(); ++n) EXPECT_LE(ulp_error(z[n], std::exp2(double(at[n]))), 2.0) << at[n];
+}
+
 TYPED_TEST(Simd, ArithmeticAndReductionsMatchScalar) {
   using Tag = TypeParam;
   constexpr int L = Tag::kLanes;

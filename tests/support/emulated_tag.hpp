@@ -11,9 +11,9 @@
 //     halves added, then the hadd tree);
 //   - exp and exp2 by the polynomials and range handling of exp_constants.hpp, in scalar code with that fma, each step
 //     the lane's instruction of avx512.hpp: exp scales by 2^n as vscalefps does (std::ldexp: one rounding, denormal
-//     results), exp2 multiplies by 2^n built in the exponent field (x ≥ 127.5 → +∞, x < −126.5 and −∞ → 0); NaN → NaN.
-//     (Against avx2.hpp's exp and exp2, which compute the same values, the bits were equal on 3.3 million points of
-//     [−200, 200] and the edge values.)
+//     results), exp2 takes r from vreduceps and scales by vscalefps too, zeroed below −126; NaN → NaN.
+//     (Against avx2.hpp's exp and exp2, which compute the same values wherever the result is normal, the bits were
+//     equal on 3.3 million points of [−200, 200] and the edge values, before exp2 moved to vreduceps/vscalefps.)
 // So every op gives the AVX-512 op's bits, except NaN payloads and, with Clang, reduce_max where NaN or zeros of both
 // signs meet (Clang's _mm512_reduce_max_ps may pair lanes otherwise). test_fused's
 // FusedEmulated16.BitIdenticalToTheAvx512Kernel compares the kernel's out and lse on an AVX-512 CPU, in builds with
@@ -30,6 +30,7 @@
 // 'exp2(qkv_test::...::Emulated16Tag, ...)'". The same declarations let test_simd call qkv::simd::op(Tag(), ...).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -207,17 +208,17 @@ QKV_EMULATED_OP Vec16 exp(Emulated16Tag, Vec16 x) noexcept {
   return y;
 }
 
-/// 2^x lane-wise, avx512.hpp's (and avx2.hpp's) exp2 step by step: clamp to [−127, 128] (NaN passes), n = round(x),
-/// the polynomial in r = x − n, times 2^n built in the exponent field ((n + 127) << 23: n = 128 gives +∞, n = −127
-/// gives 0).
+/// 2^x lane-wise, avx512.hpp's exp2 step by step: r = x − round(x) as vreduceps gives it (0 for ±∞, NaN for NaN),
+/// n = x − r, the polynomial in r, then p·2^n as vscalefps computes it (std::ldexp: exact, one rounding; n = +∞ gives
+/// +∞) under the zeroing mask x ≥ −126 or NaN (below −126: 0).
 QKV_EMULATED_OP Vec16 exp2(Emulated16Tag, Vec16 x) noexcept {
   namespace c = qkv::simd::exp2_constants;
   using namespace emulated;
   Vec16 y;
   for (int i = 0; i < 16; ++i) {
-    const float clamped = min_lane(c::kMax, max_lane(c::kMin, x.lane[i]));
-    const float n = std::nearbyint(clamped);
-    const float r = clamped - n;
+    const float xi = x.lane[i];
+    const float r = std::isinf(xi) ? 0.0f : xi - std::nearbyint(xi);
+    const float n = xi - r;
     float p = c::kQ0;
     p = fused_multiply_add(p, r, c::kQ1);
     p = fused_multiply_add(p, r, c::kQ2);
@@ -225,9 +226,15 @@ QKV_EMULATED_OP Vec16 exp2(Emulated16Tag, Vec16 x) noexcept {
     p = fused_multiply_add(p, r, c::kQ4);
     p = fused_multiply_add(p, r, c::kQ5);
     p = fused_multiply_add(p, r, 1.0f);
-    // cvtps2dq gives 0x80000000 for NaN; the shift then drops its top bit, as the vector instruction's does.
-    const std::uint32_t n_bits = std::isnan(n) ? 0x80000000u : static_cast<std::uint32_t>(static_cast<std::int32_t>(n));
-    y.lane[i] = p * from_bits((n_bits + 127u) << 23);
+    if (std::isnan(xi)) {
+      y.lane[i] = xi;
+    } else if (xi < -126.0f) {
+      y.lane[i] = 0.0f;
+    } else if (std::isinf(n)) {
+      y.lane[i] = std::numeric_limits<float>::infinity();
+    } else {
+      y.lane[i] = std::ldexp(p, static_cast<int>(std::min(n, 1000.0f)));
+    }
   }
   return y;
 }

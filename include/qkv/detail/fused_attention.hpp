@@ -231,7 +231,7 @@ class FusedAttention {
     OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(s);
     const KeyRange range = begin_task(t, s, softmax);
     if (kBase2 && !s.masks[0].modifies_scores() &&
-        !base2_fits(q_block, M, D, packed_.key_abs_max(t.sequence, t.h_kv), s.scaled)) {
+        !base2_fits<Tag>(q_block, M, D, packed_.key_abs_max(t.sequence, t.h_kv), s.scaled)) {
       return false;
     }
     const MaskGeometry& geometry = s.masks[0].geometry;
@@ -269,7 +269,7 @@ class FusedAttention {
           constexpr int kR = decltype(rows_constant)::value;
           for (Index p = first / kPanel; p * kPanel < n; ++p) {
             qk_panel<Tag, kR>(q_block + r0 * D, D, packed_k + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel,
-                              ldS);
+                              ldS, n - p * kPanel);
           }
           if (!finish_score_tile<kBase2>(s_strip, ldS, r0, kR, first, n, j0, block, index_mask, s.scaled)) {
             fits = false;  // the task runs again in base e

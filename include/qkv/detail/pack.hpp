@@ -58,30 +58,72 @@ const float* row_as_float(const S* src, Index n, float* buffer) noexcept {
   }
 }
 
+/// The largest finite |x| over `rows` rows of n floats, `ld` apart (±∞ and NaN left out). Vector max of
+/// max(x, −x): maxps returns its second operand where either is NaN, so a NaN never enters; a ±∞ does, and then the
+/// rows are scanned again one element at a time (rare: a key holding ±∞).
+template <class Tag>
+float finite_abs_max(const float* x, Index ld, Index rows, Index n) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const Index full = n / L * L;
+  const int tail = static_cast<int>(n - full);
+  auto vmax = zero(Tag());
+  for (Index j = 0; j < rows; ++j) {
+    const float* row = x + j * ld;
+    for (Index d = 0; d < full; d += L) {
+      const auto v = load(Tag(), row + d);
+      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
+    }
+    if (tail > 0) {
+      const auto v = load_partial(Tag(), row + full, tail);
+      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
+    }
+  }
+  const float result = reduce_max(Tag(), vmax);
+  if (result < kInf) return result;
+  float abs_max = 0.0f;
+  for (Index j = 0; j < rows; ++j) {
+    for (Index d = 0; d < n; ++d) {
+      const float a = std::fabs(x[j * ld + d]);
+      abs_max = std::max(abs_max, a < kInf ? a : 0.0f);
+    }
+  }
+  return abs_max;
+}
+
 /// Packs the first `skv` keys of k (rows of D elements stored as S, `ld` apart) into panels of kPanel keys laid
 /// out [panel][d][key] in float, zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out:
 /// they make a score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base
-/// (query_block.hpp, base2_fits). `row` is scratch of D floats (16-bit storage converts a key row into it first).
+/// (query_block.hpp, base2_fits). `row` is scratch of D floats for 16-bit storage (a key row is converted into it
+/// first, then scattered over the panel), unused for float. Float panels are written front to back (d outer, keys
+/// inner): a key row scattered over the panel's D lines misses in cache on every store into a fresh buffer and stalls
+/// on the store queue, while read column-wise the panel's kPanel source rows stay in L1 (bench/README.md, "2026-12-02,
+/// ninth session").
 template <class Tag, class S>
 float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* row) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel;
   const Index panels = (skv + kPanel - 1) / kPanel;
-  constexpr float kInf = std::numeric_limits<float>::infinity();
   float abs_max = 0.0f;
   for (Index p = 0; p < panels; ++p) {
     float* dst = packed + p * D * kPanel;
     const Index keys = std::min<Index>(kPanel, skv - p * kPanel);
-    for (Index j = 0; j < kPanel; ++j) {
-      if (j < keys) {
-        const float* src = row_as_float<Tag>(k + (p * kPanel + j) * ld, D, row);
-        for (Index d = 0; d < D; ++d) {
-          dst[d * kPanel + j] = src[d];
-          const float a = std::fabs(src[d]);
-          abs_max = std::max(abs_max, a < kInf ? a : 0.0f);
-        }
-      } else {
-        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = 0.0f;
+    if constexpr (std::is_same_v<S, float>) {
+      (void)row;
+      const float* src = k + p * kPanel * ld;
+      abs_max = std::max(abs_max, finite_abs_max<Tag>(src, ld, keys, D));
+      for (Index d = 0; d < D; ++d) {
+        float* out = dst + d * kPanel;
+        for (Index j = 0; j < keys; ++j) out[j] = src[j * ld + d];
+        for (Index j = keys; j < kPanel; ++j) out[j] = 0.0f;
       }
+    } else {
+      for (Index j = 0; j < keys; ++j) {
+        const float* src = row_as_float<Tag>(k + (p * kPanel + j) * ld, D, row);
+        abs_max = std::max(abs_max, finite_abs_max<Tag>(src, D, 1, D));
+        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = src[d];
+      }
+      for (Index d = 0; d < D; ++d) std::fill(dst + d * kPanel + keys, dst + (d + 1) * kPanel, 0.0f);
     }
   }
   return abs_max;

@@ -40,12 +40,12 @@ enum class StripLayout { rows, columns };
 /// in registers; each step loads kVectors vectors of b and broadcasts one a per row. Q·Kᵀ is this over a packed key
 /// panel (qk_panel) and P·V over a packed value chunk (pv_chunk). Kept apart from the tail kernel below: with both in
 /// one function clang spilled an accumulator of the full-width loop to the stack.
-template <class Tag, int R, bool kAccumulate, StripLayout kLayout = StripLayout::rows>
+template <class Tag, int R, bool kAccumulate, StripLayout kLayout = StripLayout::rows,
+          int NV = FusedTiles<Tag>::kVectors>
 inline void strip_times_panel(const float* a, Index lda, const float* b, Index ldb, Index n, float* c,
                               Index ldc) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
-  constexpr int NV = FusedTiles<Tag>::kVectors;
   typename Tag::Vec acc[R][NV];
   QKV_UNROLL for (int r = 0; r < R; ++r) {
     QKV_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? load(Tag(), c + r * ldc + v * L) : zero(Tag());
@@ -64,9 +64,23 @@ inline void strip_times_panel(const float* a, Index lda, const float* b, Index l
 }
 
 /// acc_s[r][0 .. kPanel) = Σ_d q[r][d] · panel[d][0 .. kPanel) for R rows: the scores of one packed key panel.
+/// With `keys` < kPanel (a strip's last panel, cut at its last visible key: the causal diagonal), only the first
+/// ⌈keys / lanes⌉ vectors of scores are computed and written; the panel's later keys are not needed.
 template <class Tag, int R>
-inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, float* s, Index lds) noexcept {
-  strip_times_panel<Tag, R, false>(q, ldq, panel, FusedTiles<Tag>::kPanel, D, s, lds);
+inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, float* s, Index lds,
+                     Index keys = FusedTiles<Tag>::kPanel) noexcept {
+  constexpr int kPanel = FusedTiles<Tag>::kPanel, L = Tag::kLanes, NV = FusedTiles<Tag>::kVectors;
+  const int vectors = keys >= kPanel ? NV : static_cast<int>((keys + L - 1) / L);
+  if constexpr (NV >= 4) {
+    if (vectors == 3) return strip_times_panel<Tag, R, false, StripLayout::rows, 3>(q, ldq, panel, kPanel, D, s, lds);
+  }
+  if constexpr (NV >= 3) {
+    if (vectors == 2) return strip_times_panel<Tag, R, false, StripLayout::rows, 2>(q, ldq, panel, kPanel, D, s, lds);
+  }
+  if constexpr (NV >= 2) {
+    if (vectors == 1) return strip_times_panel<Tag, R, false, StripLayout::rows, 1>(q, ldq, panel, kPanel, D, s, lds);
+  }
+  strip_times_panel<Tag, R, false>(q, ldq, panel, kPanel, D, s, lds);
 }
 
 /// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk (p laid out

@@ -111,13 +111,16 @@ inline __m512 exp(Avx512Tag, __m512 x) noexcept {
   return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN stays NaN
 }
 
-/// 2^x lane-wise; see exp2_constants in exp_constants.hpp. 2^n is built in the exponent field as on AVX2 (not
-/// with vscalefps, which would give denormals below 2^−126), so both tags give the same values.
+/// 2^x lane-wise; see exp2_constants in exp_constants.hpp. r = x − round(x) comes from one vreduceps and 2^n is
+/// applied by vscalefps (AVX512DQ and F), which also give the range ends: x = ±∞ has r = 0 and 2^±∞ = +∞ or 0 exactly,
+/// 2^x above FLT_MAX is +∞, NaN stays NaN. The same polynomial on the same r as AVX2, scaled exactly: the same
+/// values as AVX2 wherever the result is normal. Below −126 the result is 0 (the zeroing mask of vscalefps), never a
+/// subnormal: a subnormal weight costs Intel cores a microcode assist in the P·V FMAs, and 2^x < 2^−126 is below any
+/// weight a softmax row keeps beside its maximum's 1.
 inline __m512 exp2(Avx512Tag, __m512 x) noexcept {
   namespace c = exp2_constants;
-  const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(c::kMax), _mm512_max_ps(_mm512_set1_ps(c::kMin), x));
-  const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(clamped, n);
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(x, r);
   __m512 p = _mm512_set1_ps(c::kQ0);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kQ1));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kQ2));
@@ -125,8 +128,8 @@ inline __m512 exp2(Avx512Tag, __m512 x) noexcept {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kQ4));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kQ5));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // x ≥ −126 or NaN
+  return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
 }  // namespace QKV_ISA_NAME
