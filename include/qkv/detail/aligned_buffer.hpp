@@ -18,11 +18,13 @@ inline namespace QKV_ISA_NAME {
 /// A 64-byte aligned float buffer, allocated once and reused (no allocation inside the kernel loops). `resize` only
 /// grows it and keeps nothing: the contents after a resize are undefined.
 ///
-/// A buffer of kHugeBytes or more (the packed K and V of a long prefill) is aligned to 2 MiB and, on Linux, advised
-/// into transparent huge pages (MADV_HUGEPAGE; a hint, with no effect where THP is off): glibc's malloc maps an
-/// allocation that large afresh on every call (its mmap threshold stops rising at 32 MiB), and its first touch then
-/// faults once per 4 KiB page. Measured on a 2-core Zen 5 VM (bench/README.md, "2026-12-02, ninth session"): touching
-/// 64 MiB fresh took 188 ms in 4 KiB pages, 4 ms in huge pages, against 1.6 s of arithmetic for the call that packs it.
+/// A buffer of kHugeBytes (4 MiB) or more (the packed K and V of a prefill) is aligned to 2 MiB and, on Linux,
+/// advised into transparent huge pages (MADV_HUGEPAGE; a hint, with no effect where THP is off). Otherwise its first
+/// touch faults once per 4 KiB page whenever glibc's malloc hands out fresh pages, which it does for every allocation
+/// of 32 MiB or more and, depending on what the process freed before, for smaller ones too. Measured on a 2-core Zen 5
+/// VM (bench/README.md, "2026-12-02, ninth session"): touching 64 MiB fresh took 188 ms in 4 KiB pages and 4 ms in
+/// huge pages; bench_attention's one-thread prefill at T = 1024, D = 128 (8 MiB of packed K and V) ran at 117-120
+/// GFLOP/s with the threshold at 32 MiB and 166-168 at 4 MiB.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -51,7 +53,7 @@ class AlignedBuffer {
     size_ = 0;
   }
   static constexpr std::size_t kHugePage = std::size_t(2) << 20;
-  static constexpr std::size_t kHugeBytes = std::size_t(32) << 20;
+  static constexpr std::size_t kHugeBytes = std::size_t(4) << 20;
   float* data_ = nullptr;
   std::size_t size_ = 0;
   std::size_t alignment_ = 64;
