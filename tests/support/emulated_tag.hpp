@@ -12,7 +12,7 @@
 //   - exp and exp2 by the polynomials and range handling of exp_constants.hpp, in scalar code with that fma, each step
 //     the lane's instruction of avx512.hpp: exp scales by 2^n as vscalefps does (std::ldexp: one rounding, denormal
 //     results), exp2 takes r from vreduceps and scales by vscalefps too, zeroed below −126; NaN → NaN.
-//     (Against avx2.hpp's exp and exp2, which compute the same values wherever the result is normal, the bits were
+//     (Against avx2.hpp's exp and exp2, which compute the same values for −126 ≤ x < 127.5, the bits were
 //     equal on 3.3 million points of [−200, 200] and the edge values, before exp2 moved to vreduceps/vscalefps.)
 // So every op gives the AVX-512 op's bits, except NaN payloads and, with Clang, reduce_max where NaN or zeros of both
 // signs meet (Clang's _mm512_reduce_max_ps may pair lanes otherwise). test_fused's

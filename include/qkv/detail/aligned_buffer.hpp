@@ -23,8 +23,10 @@ inline namespace QKV_ISA_NAME {
 /// touch faults once per 4 KiB page whenever glibc's malloc hands out fresh pages, which it does for every allocation
 /// of 32 MiB or more and, depending on what the process freed before, for smaller ones too. Measured on a 2-core Zen 5
 /// VM (bench/README.md, "2026-12-02, ninth session"): touching 64 MiB fresh took 188 ms in 4 KiB pages and 4 ms in
-/// huge pages; bench_attention's one-thread prefill at T = 1024, D = 128 (8 MiB of packed K and V) ran at 117-120
-/// GFLOP/s with the threshold at 32 MiB and 166-168 at 4 MiB.
+/// huge pages; bench_attention's one-thread prefill at T = 1024, D = 128 (packed K and V: two buffers of exactly
+/// 4 MiB) ran at 117-120 GFLOP/s with the threshold at 32 MiB and 166-168 at 4 MiB. Smaller buffers (D = 64 at that
+/// T: 2 MiB each) are left to malloc. Where THP's defrag setting is `madvise`, the first fault of an advised buffer
+/// may compact memory synchronously (a latency spike on a fragmented machine).
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;

@@ -114,9 +114,11 @@ inline __m512 exp(Avx512Tag, __m512 x) noexcept {
 /// 2^x lane-wise; see exp2_constants in exp_constants.hpp. r = x − round(x) comes from one vreduceps and 2^n is
 /// applied by vscalefps (AVX512DQ and F), which also give the range ends: x = ±∞ has r = 0 and 2^±∞ = +∞ or 0 exactly,
 /// 2^x above FLT_MAX is +∞, NaN stays NaN. The same polynomial on the same r as AVX2, scaled exactly: the same
-/// values as AVX2 wherever the result is normal. Below −126 the result is 0 (the zeroing mask of vscalefps), never a
-/// subnormal: a subnormal weight costs Intel cores a microcode assist in the P·V FMAs, and 2^x < 2^−126 is below any
-/// weight a softmax row keeps beside its maximum's 1.
+/// values as AVX2 for −126 ≤ x < 127.5 (AVX2 gives +∞ from 127.5, this the finite 2^x up to 128; the softmax only
+/// takes x ≤ 0). Below −126 the result is 0 (the zeroing mask of vscalefps), never a subnormal: a subnormal weight
+/// costs Intel cores a microcode assist in the P·V FMAs. A weight below 2^−126 beside its row's maximum (weight 1)
+/// changes the output only where |v| is near FLT_MAX, or turns ∞·(tiny) into 0·∞ = NaN where V holds ±∞ and no
+/// key is hidden (AVX2 does so from −126.5, this from −126).
 inline __m512 exp2(Avx512Tag, __m512 x) noexcept {
   namespace c = exp2_constants;
   const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

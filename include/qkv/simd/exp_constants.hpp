@@ -27,6 +27,8 @@ constexpr float kP5 = 5.0000001201e-1f;
 // field, so the result below 2^−126 is 0 (x is clamped to kMin = −127: every x < −126.5, and −∞, give exactly 0)
 // and x ≥ 127.5 gives +∞ (n = 128: the exponent field of ∞). NaN stays NaN (the clamps pass it through).
 // Measured error (tests/test_simd.cpp, dense sweep of [−126, 127] against double exp2): ≤ 0.91 ulp (bound 2 ulp).
+// That is the AVX2 tag's range handling; the AVX-512 tag (avx512.hpp) takes the same polynomial on the same r but
+// scales with vscalefps under a mask: 0 for every x < −126, finite up to x < 128, no clamps.
 namespace exp2_constants {
 constexpr float kMax = 128.0f;
 constexpr float kMin = -127.0f;
