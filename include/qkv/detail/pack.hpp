@@ -96,10 +96,12 @@ float finite_abs_max(const float* x, Index ld, Index rows, Index n) noexcept {
 /// out [panel][d][key] in float, zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out:
 /// they make a score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base
 /// (query_block.hpp, base2_fits). `row` is scratch of D floats for 16-bit storage (a key row is converted into it
-/// first, then scattered over the panel), unused for float. Float panels are written front to back (d outer, keys
-/// inner): a key row scattered over the panel's D lines misses in cache on every store into a fresh buffer and stalls
-/// on the store queue, while read column-wise the panel's kPanel source rows stay in L1 (bench/README.md, "2026-12-02,
-/// ninth session").
+/// first, then scattered over the panel), unused for float. A key row scattered over all D panel rows at once missed
+/// in cache on every store into a fresh buffer and stalled on the store queue. Float panels whose kPanel source rows
+/// lie within 32 KiB (head-major K with D ≤ 128) are written front to back, whole columns at a time (d outer, keys
+/// inner); rows further apart (token-major K, where rows ld·4 = a multiple of 4 KiB apart share one L1 set, and
+/// column reads took 7 × as long) one source line of d at a time: each key's line is read once and scattered over
+/// the 16 panel rows of those d, which stay in L1. bench/README.md, "2026-12-02, ninth session".
 template <class Tag, class S>
 float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* row) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel;
@@ -112,11 +114,20 @@ float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* 
       (void)row;
       const float* src = k + p * kPanel * ld;
       abs_max = std::max(abs_max, finite_abs_max<Tag>(src, ld, keys, D));
-      for (Index d = 0; d < D; ++d) {
-        float* out = dst + d * kPanel;
-        for (Index j = 0; j < keys; ++j) out[j] = src[j * ld + d];
-        for (Index j = keys; j < kPanel; ++j) out[j] = 0.0f;
+      if (ld * kPanel <= 8192) {  // source rows within 32 KiB (head-major K, D <= 128): whole columns, d outer
+        for (Index d = 0; d < D; ++d) {
+          float* out = dst + d * kPanel;
+          for (Index j = 0; j < keys; ++j) out[j] = src[j * ld + d];
+        }
+      } else {  // rows further apart: one source line (16 floats) of d at a time
+        for (Index d0 = 0; d0 < D; d0 += 16) {
+          const Index d1 = std::min<Index>(D, d0 + 16);
+          for (Index j = 0; j < keys; ++j) {
+            for (Index d = d0; d < d1; ++d) dst[d * kPanel + j] = src[j * ld + d];
+          }
+        }
       }
+      for (Index d = 0; d < D; ++d) std::fill(dst + d * kPanel + keys, dst + (d + 1) * kPanel, 0.0f);
     } else {
       for (Index j = 0; j < keys; ++j) {
         const float* src = row_as_float<Tag>(k + (p * kPanel + j) * ld, D, row);
