@@ -28,6 +28,7 @@
 #include "qkv/detail/aligned_buffer.hpp"
 #include "qkv/detail/attention_shape.hpp"
 #include "qkv/detail/fused_tiles.hpp"
+#include "qkv/detail/query_block.hpp"
 #include "qkv/detail/threads.hpp"
 #include "qkv/simd/simd.hpp"
 #include "qkv/tensor_view.hpp"
@@ -56,40 +57,6 @@ const float* row_as_float(const S* src, Index n, float* buffer) noexcept {
     }
     return buffer;
   }
-}
-
-/// The largest finite |x| over `rows` rows of n floats, `ld` apart (±∞ and NaN left out). Vector max of
-/// max(x, −x): maxps returns its second operand where either is NaN, so a NaN never enters; a ±∞ does, and then the
-/// rows are scanned again one element at a time (rare: a key holding ±∞).
-template <class Tag>
-float finite_abs_max(const float* x, Index ld, Index rows, Index n) noexcept {
-  using namespace simd;
-  constexpr int L = Tag::kLanes;
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  const Index full = n / L * L;
-  const int tail = static_cast<int>(n - full);
-  auto vmax = zero(Tag());
-  for (Index j = 0; j < rows; ++j) {
-    const float* row = x + j * ld;
-    for (Index d = 0; d < full; d += L) {
-      const auto v = load(Tag(), row + d);
-      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
-    }
-    if (tail > 0) {
-      const auto v = load_partial(Tag(), row + full, tail);
-      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
-    }
-  }
-  const float result = reduce_max(Tag(), vmax);
-  if (result < kInf) return result;
-  float abs_max = 0.0f;
-  for (Index j = 0; j < rows; ++j) {
-    for (Index d = 0; d < n; ++d) {
-      const float a = std::fabs(x[j * ld + d]);
-      abs_max = std::max(abs_max, a < kInf ? a : 0.0f);
-    }
-  }
-  return abs_max;
 }
 
 /// Packs the first `skv` keys of k (rows of D elements stored as S, `ld` apart) into panels of kPanel keys laid

@@ -82,6 +82,46 @@ inline QueryScale load_query_block(const TensorView4<const float>& q, Index vb, 
   return result;
 }
 
+/// max |x| over `rows` rows of n floats, `ld` apart, by vector maxes of max(x, −x): ±∞ counts, NaN is left out
+/// (maxps returns its second operand where either is NaN). 0 for no elements.
+template <class Tag>
+float abs_max(const float* x, Index ld, Index rows, Index n) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  const Index full = n / L * L;
+  const int tail = static_cast<int>(n - full);
+  auto vmax = zero(Tag());
+  for (Index j = 0; j < rows; ++j) {
+    const float* row = x + j * ld;
+    for (Index d = 0; d < full; d += L) {
+      const auto v = load(Tag(), row + d);
+      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
+    }
+    if (tail > 0) {
+      const auto v = load_partial(Tag(), row + full, tail);
+      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
+    }
+  }
+  return reduce_max(Tag(), vmax);
+}
+
+/// The largest finite |x| over `rows` rows of n floats, `ld` apart (±∞ and NaN left out): abs_max, and where a ±∞
+/// entered it, the rows scanned again one element at a time (rare: a key holding ±∞). The key bound of base2_fits.
+template <class Tag>
+float finite_abs_max(const float* x, Index ld, Index rows, Index n) noexcept {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const float result = abs_max<Tag>(x, ld, rows, n);
+  if (result < kInf) return result;
+  float finite = 0.0f;
+  for (Index j = 0; j < rows; ++j) {
+    for (Index d = 0; d < n; ++d) {
+      const float a = std::fabs(x[j * ld + d]);
+      finite = std::max(finite, a < kInf ? a : 0.0f);
+    }
+  }
+  return finite;
+}
+
 /// Whether every score of a task stays finite in base 2. The finite part of a score q'·k (q' a row of the M × D
 /// `q_block` as load_query_block left it) is at most Σ_d |q'_d| · max |k| over the finite terms; the check asks that
 /// bound, times the post-scale factors if any (each of q·k, q·k·scale and q·k·scale·log2 e must stay finite) and a
@@ -101,22 +141,9 @@ inline bool base2_fits(const float* q_block, Index M, Index D, float key_abs_max
   const double scale = std::fabs(double(scaled.score_scale));
   const double factor = scaled.post_scale ? std::max({1.0, scale, scale * double(scaled.score_base)}) : 1.0;
   const double rounding = std::exp(double(D + 3) * 0x1p-23);
-  {
-    using namespace simd;
-    constexpr int L = Tag::kLanes;
-    const Index n = M * D, full = n / L * L;
-    auto vmax = zero(Tag());
-    for (Index i = 0; i < full; i += L) {
-      const auto v = load(Tag(), q_block + i);
-      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
-    }
-    if (full < n) {
-      const auto v = load_partial(Tag(), q_block + full, static_cast<int>(n - full));
-      vmax = max(max(v, sub(zero(Tag()), v)), vmax);
-    }
-    const double screen = double(D) * double(reduce_max(Tag(), vmax)) * double(key_abs_max) * factor * rounding;
-    if (screen < 0.5 * double(std::numeric_limits<float>::max())) return true;
-  }
+  const double q_max = abs_max<Tag>(q_block, 0, 1, M * D);
+  const double screen = double(D) * q_max * double(key_abs_max) * factor * rounding;
+  if (screen < 0.5 * double(std::numeric_limits<float>::max())) return true;
   double l1_max = 0.0;
   for (Index r = 0; r < M; ++r) {
     double l1 = 0.0;
