@@ -91,7 +91,6 @@ class FusedAttention {
  public:
   using Tiles = FusedTiles<Tag>;
   static constexpr int kPanel = Tiles::kPanel;
-  static constexpr int kChunk = Tiles::kChunk;
   static constexpr int kStrip = Tiles::kStrip;
 
   FusedAttention(const AttentionShape& shape, const TensorView4<const float>& q, const TensorView4<const S>& k,
@@ -284,8 +283,7 @@ class FusedAttention {
           const bool may_hide = index_mask || data_mask || dropout;
           if (may_hide && v_finite < 0) v_finite = all_finite<Tag>(v_tile, j1 - j0, Dv, ldv) ? 1 : 0;
           if (!may_hide || v_finite == 1) {
-            pv_strip<Tag, kR>(s_strip + first, ldS, packed_v + (j0 + first) * kChunk, skv * kChunk, n - first,
-                              acc_o + r0 * Dv, Dv, Dv);
+            pv_strip<Tag, kR>(s_strip + first, ldS, packed_v, skv, j0 + first, n - first, acc_o + r0 * Dv, Dv, Dv);
           } else {
             pv_skip_zero_weights(s_strip + first, ldS, v_tile + first * ldv, ldv, n - first, acc_o + r0 * Dv, Dv, Dv,
                                  kR);

@@ -60,6 +60,10 @@ struct FusedTiles {
   /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
   /// share it: it is one task per chunk, not one per kv head.
   static constexpr Index kDecodeMinChunks = 4;
+  /// Floats per key of a packed chunk `width` ≤ kChunk columns wide: kChunk for a full chunk, the last chunk of Dv
+  /// (or D) rounded up to whole vectors only, so that a narrow tail (Dv = 32, 80 or 96 on AVX-512) costs neither
+  /// memory nor multiply-adds for columns that do not exist (pack_values, pv_chunk_tail).
+  static constexpr Index chunk_floats(Index width) noexcept { return (width + kLanes - 1) / kLanes * kLanes; }
   static_assert(kVectors >= 1 && kVectors <= 4, "qkv: the micro-kernels hold 1 to 4 vectors per row");
   static_assert(kStrip >= 1 && kStrip <= 6, "qkv: dispatch_rows instantiates strips of 1 to 6 rows");
   static_assert(kBlockM % kStrip == 0, "qkv: kBlockM must be a multiple of kStrip");

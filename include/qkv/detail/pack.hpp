@@ -2,7 +2,8 @@
 // prefill micro-kernels stream (prefill_kernels.hpp).
 //
 //   K: panels of kPanel = kVectors·lanes keys, [panel][d][key], the last panel zero-padded;
-//   V: chunks of kChunk columns, [chunk][key][kChunk], the last chunk's columns past Dv zero-padded.
+//   V: chunks of kChunk columns, [chunk][key][kChunk]; the last chunk only as wide as whole vectors need
+//   (FusedTiles::chunk_floats), its columns past Dv zero-padded.
 //
 // Decoding sequences are not packed (decode_kernels.hpp reads K and V in place).
 //
@@ -107,20 +108,22 @@ float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* 
   return abs_max;
 }
 
-/// Packs the first `skv` values (rows of Dv elements stored as S, `ld` apart) into column chunks of kChunk floats
-/// laid out [chunk][key][kChunk], zero-padding the last chunk's columns past Dv: P·V then streams each chunk of a
-/// tile as one contiguous block (V read in place crosses a 4 KiB page every few keys, where the hardware prefetchers
-/// stop). `row` is scratch of kChunk floats.
+/// Packs the first `skv` values (rows of Dv elements stored as S, `ld` apart) into column chunks laid out
+/// [chunk][key][kChunk]: P·V then streams each chunk of a tile as one contiguous block (V read in place crosses a
+/// 4 KiB page every few keys, where the hardware prefetchers stop). The last chunk, where Dv is not a multiple of
+/// kChunk, is FusedTiles::chunk_floats(width) floats per key (whole vectors), its columns past Dv zero. The chunk
+/// of columns from c starts at packed + c·skv, and the whole takes skv · chunk_floats(Dv) floats (kChunk is a
+/// multiple of the vector). `row` is scratch of kChunk floats.
 template <class Tag, class S>
 void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float* row) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
   for (Index c = 0; c < Dv; c += kChunk) {
-    const Index width = std::min(kChunk, Dv - c);
+    const Index width = std::min(kChunk, Dv - c), stride = FusedTiles<Tag>::chunk_floats(width);
     float* dst = packed + c * skv;
     for (Index j = 0; j < skv; ++j) {
       const float* src = row_as_float<Tag>(v + j * ld + c, width, row);
-      for (Index d = 0; d < width; ++d) dst[j * kChunk + d] = src[d];
-      for (Index d = width; d < kChunk; ++d) dst[j * kChunk + d] = 0.0f;
+      for (Index d = 0; d < width; ++d) dst[j * stride + d] = src[d];
+      for (Index d = width; d < stride; ++d) dst[j * stride + d] = 0.0f;
     }
   }
 }
@@ -147,7 +150,7 @@ class PackedKV {
       const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
       const bool skip = decode[static_cast<std::size_t>(b)] != 0;
       const Index floats = skip ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape.D;
-      const Index value_floats = skip ? 0 : skv * ((shape.Dv + kChunk - 1) / kChunk * kChunk);
+      const Index value_floats = skip ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
       for (Index h = 0; h < shape.Hkv; ++h) {
         key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + floats;
         value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + value_floats;

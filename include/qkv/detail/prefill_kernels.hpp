@@ -90,51 +90,73 @@ inline void pv_chunk(const float* p, Index ldp, const float* v, Index ldv, Index
   strip_times_panel<Tag, R, true, kLayout>(p, ldp, v, ldv, keys, o, ldo);
 }
 
-/// pv_chunk for the last `width` < kChunk columns of Dv: masked loads and stores (vector v covers columns
-/// [v·lanes, v·lanes + n_v), n_v possibly 0), nothing past the row is touched.
-template <class Tag, int R, StripLayout kLayout = StripLayout::rows>
-inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
-                          int width) noexcept {
+/// pv_chunk over NV vectors of a packed last chunk (NV·lanes floats per key, ldv apart, zero past the row's end),
+/// the last vector's `last` lanes only (1 ≤ last ≤ lanes) read and written in o: nothing past the row is touched.
+/// The chunk's padding is loaded in full (it is zero), so the key loop carries no masks.
+template <class Tag, int R, StripLayout kLayout, int NV>
+inline void pv_chunk_vectors(const float* p, Index ldp, const float* v, Index ldv, Index keys, float* o, Index ldo,
+                             int last) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
-  constexpr int NV = FusedTiles<Tag>::kVectors;
   typename Tag::Vec acc[R][NV];
-  int count[NV];
-  QKV_UNROLL for (int u = 0; u < NV; ++u) count[u] = std::min(L, std::max(0, width - u * L));
   QKV_UNROLL for (int r = 0; r < R; ++r) {
-    QKV_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = load_partial(Tag(), o + r * ldo + u * L, count[u]);
+    QKV_UNROLL for (int u = 0; u + 1 < NV; ++u) acc[r][u] = load(Tag(), o + r * ldo + u * L);
+    acc[r][NV - 1] = load_partial(Tag(), o + r * ldo + (NV - 1) * L, last);
   }
   for (Index j = 0; j < keys; ++j) {
     typename Tag::Vec vv[NV];
-    QKV_UNROLL for (int u = 0; u < NV; ++u) vv[u] = load_partial(Tag(), v + j * ldv + u * L, count[u]);
+    QKV_UNROLL for (int u = 0; u < NV; ++u) vv[u] = load(Tag(), v + j * ldv + u * L);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
       const auto pb = set1(Tag(), kLayout == StripLayout::rows ? p[r * ldp + j] : p[r + j * ldp]);
       QKV_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = fmadd(pb, vv[u], acc[r][u]);
     }
   }
   QKV_UNROLL for (int r = 0; r < R; ++r) {
-    QKV_UNROLL for (int u = 0; u < NV; ++u) store_partial(Tag(), o + r * ldo + u * L, acc[r][u], count[u]);
+    QKV_UNROLL for (int u = 0; u + 1 < NV; ++u) store(Tag(), o + r * ldo + u * L, acc[r][u]);
+    store_partial(Tag(), o + r * ldo + (NV - 1) * L, acc[r][NV - 1], last);
   }
 }
 
-/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for the R rows of a strip, V packed by pack_values (`v` at
-/// the strip's first key of chunk 0, chunks `chunk_stride` floats apart): one pass over the keys per chunk of kChunk
-/// columns (acc_o loaded and stored once per chunk), the last chunk by pv_chunk_tail. p[r][j] at p[r·ldp + j].
+/// pv_chunk for the last `width` < kChunk columns of Dv, packed FusedTiles::chunk_floats(width) floats per key
+/// (pack_values): ⌈width / lanes⌉ vectors of multiply-adds, not kVectors (Dv = 32 on AVX-512 would otherwise do
+/// twice the work and Dv = 80 1.6 times), the last vector masked in o only. Each column's sum is pv_chunk's.
+template <class Tag, int R, StripLayout kLayout = StripLayout::rows>
+inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index keys, float* o, Index ldo,
+                          int width) noexcept {
+  constexpr int L = Tag::kLanes, NV = FusedTiles<Tag>::kVectors;
+  const Index ldv = FusedTiles<Tag>::chunk_floats(width);
+  const int vectors = (width + L - 1) / L, last = width - (vectors - 1) * L;
+  if constexpr (NV >= 4) {
+    if (vectors == 4) return pv_chunk_vectors<Tag, R, kLayout, 4>(p, ldp, v, ldv, keys, o, ldo, last);
+  }
+  if constexpr (NV >= 3) {
+    if (vectors == 3) return pv_chunk_vectors<Tag, R, kLayout, 3>(p, ldp, v, ldv, keys, o, ldo, last);
+  }
+  if constexpr (NV >= 2) {
+    if (vectors == 2) return pv_chunk_vectors<Tag, R, kLayout, 2>(p, ldp, v, ldv, keys, o, ldo, last);
+  }
+  pv_chunk_vectors<Tag, R, kLayout, 1>(p, ldp, v, ldv, keys, o, ldo, last);
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[first + j][0 .. Dv) for the R rows of a strip, j < keys, V packed by
+/// pack_values (`v` its start, `skv` the keys it holds): one pass over the keys per chunk of kChunk columns (acc_o
+/// loaded and stored once per chunk), the last chunk by pv_chunk_tail. p[r][j] at p[r·ldp + j].
 template <class Tag, int R>
-inline void pv_strip(const float* p, Index ldp, const float* v, Index chunk_stride, Index keys, float* o, Index ldo,
+inline void pv_strip(const float* p, Index ldp, const float* v, Index skv, Index first, Index keys, float* o, Index ldo,
                      Index Dv) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
   const Index full = Dv / kChunk * kChunk;
   for (Index c = 0; c < full; c += kChunk)
-    pv_chunk<Tag, R>(p, ldp, v + c / kChunk * chunk_stride, kChunk, keys, o + c, ldo);
+    pv_chunk<Tag, R>(p, ldp, v + c * skv + first * kChunk, kChunk, keys, o + c, ldo);
   if (full < Dv) {
-    pv_chunk_tail<Tag, R>(p, ldp, v + full / kChunk * chunk_stride, kChunk, keys, o + full, ldo,
-                          static_cast<int>(Dv - full));
+    const int width = static_cast<int>(Dv - full);
+    pv_chunk_tail<Tag, R>(p, ldp, v + full * skv + first * FusedTiles<Tag>::chunk_floats(width), keys, o + full, ldo,
+                          width);
   }
 }
 
-/// o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `rows` rows, V packed by pack_values (chunks `chunk_stride`
-/// floats apart), p laid out as kLayout says (rows or columns ldp apart): pv_strip's sums for a whole block of rows,
+/// o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `rows` rows, V packed by pack_values (`v` its start, chunks
+/// `chunk_stride` floats apart: the packed keys times kChunk), p laid out as kLayout says (rows or columns ldp apart): pv_strip's sums for a whole block of rows,
 /// chunk by chunk. Every strip of kStrip rows passes over one chunk (keys × kChunk floats) before the next, so the
 /// chunk is read from L1 while the block's other operands stream; pv_strip, strip by strip, would stream every chunk
 /// once per strip. Each element's sum runs over the keys in the same order as pv_strip's: the same bits.
@@ -153,7 +175,7 @@ inline void pv_block(const float* p, Index ldp, const float* v, Index chunk_stri
         if (width == kChunk) {
           pv_chunk<Tag, kR, kLayout>(strip, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo);
         } else {
-          pv_chunk_tail<Tag, kR, kLayout>(strip, ldp, chunk, kChunk, keys, o + r0 * ldo + c, ldo, width);
+          pv_chunk_tail<Tag, kR, kLayout>(strip, ldp, chunk, keys, o + r0 * ldo + c, ldo, width);
         }
       });
     }
