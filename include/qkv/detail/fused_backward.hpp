@@ -160,15 +160,17 @@ class FusedBackward {
 
  private:
   static Index round_up(Index n, Index m) noexcept { return (n + m - 1) / m * m; }
+  /// Floats per row of a Q, dO or K block packed by pack_values: its full chunks and its last one, whole vectors wide.
+  static Index packed_width(Index n) noexcept { return FusedTiles<Tag>::chunk_floats(n); }
 
   void allocate(BackwardScratch& s, Index max_sq, Index max_skv) const {
     const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group, rows = G * max_sq;
     const auto floats = [](Index n) { return static_cast<std::size_t>(std::max<Index>(1, n)); };
     s.k_panels.resize(floats(round_up(max_skv, kPanel) * D));
-    s.k_chunks.resize(floats(round_up(D, kChunk) * max_skv));
+    s.k_chunks.resize(floats(packed_width(D) * max_skv));
     s.v_panels.resize(floats(round_up(max_skv, kPanel) * Dv));
-    s.q_chunks.resize(floats(rows * round_up(D, kChunk)));
-    s.do_chunks.resize(floats(rows * round_up(Dv, kChunk)));
+    s.q_chunks.resize(floats(rows * packed_width(D)));
+    s.do_chunks.resize(floats(rows * packed_width(Dv)));
     s.delta.resize(floats(rows));
     s.dq.resize(floats(rows * D));
     const std::size_t block = floats(kBlockRows * kBlockKeys);
@@ -259,19 +261,19 @@ class FusedBackward {
     pack_keys<Tag>(k, k_.stride(2), skv, D, s.k_panels.data(), nullptr);
     for (Index j0 = 0; j0 < skv; j0 += kBlockKeys) {
       pack_values<Tag>(k + j0 * k_.stride(2), k_.stride(2), std::min(kBlockKeys, skv - j0), D,
-                       s.k_chunks.data() + j0 * round_up(D, kChunk), nullptr);
+                       s.k_chunks.data() + j0 * packed_width(D), nullptr);
     }
     if (Dv > 0) pack_keys<Tag>(&v_(vb, h_kv, kv_row0, 0), v_.stride(2), skv, Dv, s.v_panels.data(), nullptr);
-    const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
+    const Index q_area = sq * packed_width(D), do_area = sq * packed_width(Dv);
     for (Index g = 0; g < G; ++g) {
       const Index h = h_kv * G + g;
       for (Index i0 = 0; i0 < sq; i0 += kBlockRows) {
         const Index rows = std::min(kBlockRows, sq - i0);
         pack_values<Tag>(&q_(vb, h, q_row0 + i0, 0), q_.stride(2), rows, D,
-                         s.q_chunks.data() + g * q_area + i0 * round_up(D, kChunk), nullptr);
+                         s.q_chunks.data() + g * q_area + i0 * packed_width(D), nullptr);
         if (Dv > 0) {
           pack_values<Tag>(&d_out_(vb, h, q_row0 + i0, 0), d_out_.stride(2), rows, Dv,
-                           s.do_chunks.data() + g * do_area + i0 * round_up(Dv, kChunk), nullptr);
+                           s.do_chunks.data() + g * do_area + i0 * packed_width(Dv), nullptr);
         }
       }
       for (Index i = 0; i < sq; ++i) {
@@ -358,9 +360,9 @@ class FusedBackward {
       for (; j < e; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
     };
     // The block's Q and dO chunks, packed on their own (pack_task): R·kChunk floats from one chunk to the next.
-    const Index q_area = sq * round_up(D, kChunk), do_area = sq * round_up(Dv, kChunk);
-    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * round_up(D, kChunk);
-    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * round_up(Dv, kChunk);
+    const Index q_area = sq * packed_width(D), do_area = sq * packed_width(Dv);
+    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * packed_width(D);
+    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * packed_width(Dv);
     // pv_block below reads the block's Q and dO chunks and its rows of dQ, from L3 or memory once per key tile: the
     // row loop prefetches them, a share per row, so they arrive while the exponentials run.
     const auto prefetch_share = [R](const float* data, Index floats, Index r) {
@@ -370,8 +372,8 @@ class FusedBackward {
     };
     for (Index r = 0; r < R; ++r) {
       if (!exact) {
-        prefetch_share(q_chunks, R * round_up(D, kChunk), r);
-        prefetch_share(do_chunks, R * round_up(Dv, kChunk), r);
+        prefetch_share(q_chunks, R * packed_width(D), r);
+        prefetch_share(do_chunks, R * packed_width(Dv), r);
         prefetch_share(dq, R * D, r);
       }
       const Index i = i0 + r;
@@ -460,7 +462,7 @@ class FusedBackward {
     const float* P_used = dropout ? P_kept : S;
 
     // The tile's K chunks, packed on their own: tile_keys·kChunk floats from one chunk to the next.
-    const float* k_chunks = s.k_chunks.data() + j0 * round_up(D, kChunk);
+    const float* k_chunks = s.k_chunks.data() + j0 * packed_width(D);
     const Index tile_keys = std::min(kBlockKeys, skv - j0);
     if (!exact) {
       // dV_tile += P̃ᵀ · dO_blk, dK_tile += dSᵀ · Q_blk (strips of kStrip keys) and dQ_blk += dS · K_tile (strips of

@@ -156,8 +156,9 @@ inline void pv_strip(const float* p, Index ldp, const float* v, Index skv, Index
 }
 
 /// o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for `rows` rows, V packed by pack_values (`v` its start, chunks
-/// `chunk_stride` floats apart: the packed keys times kChunk), p laid out as kLayout says (rows or columns ldp apart): pv_strip's sums for a whole block of rows,
-/// chunk by chunk. Every strip of kStrip rows passes over one chunk (keys × kChunk floats) before the next, so the
+/// `chunk_stride` floats apart: the packed keys times kChunk), p laid out as kLayout says (rows or columns ldp
+/// apart): pv_strip's sums for a whole block of rows, chunk by chunk. Every strip of kStrip rows passes over one
+/// chunk (keys × kChunk floats, the last chunk keys × chunk_floats(width)) before the next, so the
 /// chunk is read from L1 while the block's other operands stream; pv_strip, strip by strip, would stream every chunk
 /// once per strip. Each element's sum runs over the keys in the same order as pv_strip's: the same bits.
 template <class Tag, StripLayout kLayout = StripLayout::rows>
