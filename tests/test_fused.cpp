@@ -471,6 +471,7 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
       out(q.size());
   qkv::AttentionOptions<float> o;
   o.backend = qkv::Backend::fused;
+  qkv::release_workspace();  // what the call itself allocates, not what earlier calls left on this thread
   const qkv_test::AllocationCount allocated = qkv_test::count_allocations([&] {
     qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, T, D), qkv::view_bhsd<const float>(k.data(), 1, H, T, D),
                    qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(out.data(), 1, H, T, D), o);
@@ -481,6 +482,40 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
   EXPECT_LE(allocated.bytes, kv_bytes + (std::size_t(4) << 20)) << "allocated " << allocated.bytes;
   EXPECT_LT(allocated.largest, std::size_t(T) * std::size_t(T) * sizeof(float) / 16);
   EXPECT_NEAR(out[0], 1.0f, 1e-6f);
+}
+
+TEST(Fused, KeepsThePackedKeysAndValuesBetweenCallsUntilReleased) {
+  if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
+  // T = 1024, 2 heads, D = 64: the packed K and V are 512 KiB each (no padding at these sizes on any tag).
+  const Index T = 1024, H = 2, D = 64;
+  const std::size_t n = static_cast<std::size_t>(H * T * D);
+  std::vector<float> q(n), k1(n), k2(n), v1(n), v2(n), out(n), first(n), again(n);
+  for (std::size_t i = 0; i < n; ++i) {  // two different K/V of one shape, so a stale packed copy would show
+    q[i] = 0.01f * float(i % 97) - 0.4f;
+    k1[i] = 0.02f * float(i % 89) - 0.8f;
+    k2[i] = 0.03f * float(i % 83) - 1.1f;
+    v1[i] = float(i % 13);
+    v2[i] = float(i % 7) - 3.0f;
+  }
+  qkv::AttentionOptions<float> o;
+  o.backend = qkv::Backend::fused;
+  const auto call = [&](const std::vector<float>& k, const std::vector<float>& v, std::vector<float>& result) {
+    return qkv_test::count_allocations([&] {
+      qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, T, D), qkv::view_bhsd<const float>(k.data(), 1, H, T, D),
+                     qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(result.data(), 1, H, T, D), o);
+    });
+  };
+  const std::size_t packed_bytes = 2 * n * sizeof(float);
+  qkv::release_workspace();
+  call(k2, v2, first);  // K2, V2 on a fresh workspace
+  qkv::release_workspace();
+  const qkv_test::AllocationCount fresh = call(k1, v1, out);
+  const qkv_test::AllocationCount kept = call(k2, v2, again);  // the same shape: the workspace is reused
+  EXPECT_GE(fresh.bytes, packed_bytes);
+  EXPECT_LE(kept.bytes + packed_bytes, fresh.bytes) << "fresh " << fresh.bytes << ", kept " << kept.bytes;
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(std::memcmp(&first[i], &again[i], sizeof(float)), 0) << i;
+  qkv::release_workspace();
+  EXPECT_EQ(call(k1, v1, out).bytes, fresh.bytes);  // released: allocated afresh
 }
 
 // Every kernel the build compiled (runtime dispatch: scalar, AVX2 and AVX-512 in a plain build) and the emulated

@@ -184,11 +184,12 @@ inline namespace QKV_ISA_NAME {
 ///   The fused float output is within 2 × the error of a plain float implementation + 1e-6·max(1, max|V|) of
 ///   float64; the reference path within 1e-6·max(1, max|V|).
 /// Complexity: O(B·Hq·Sq·Skv·(D + Dv)) time, about half that with causal masking and O(Sq·w) per head with a
-///   window of w keys on the fused path (hidden key tiles are never visited). Memory: the fused kernel allocates
-///   the size of K and V (both packed once per call, except when decoding; V's rows rounded up to a multiple of
-///   the micro-kernels' chunk width, 16 floats with AVX2 and 64 with AVX-512) and a few hundred KiB of scratch per
-///   thread (bench_attention's alloc_MiB: 64.4 MiB at B = 1, H = 8, T = 16384, D = 64, inputs 128 MiB),
-///   nothing of size Sq × Skv; the reference backend allocates O(Sq·Skv) per (sequence, head) in flight.
+///   window of w keys on the fused path (hidden key tiles are never visited). Memory: the fused kernel needs
+///   the size of K and V (both packed once per call, except when decoding; V's rows rounded up to whole vectors, 8
+///   floats with AVX2 and 16 with AVX-512), kept on the calling thread for its next calls until
+///   `release_workspace()`, and a few hundred KiB of scratch per thread (bench_attention's alloc_MiB: 64.4 MiB at
+///   B = 1, H = 8, T = 16384, D = 64, inputs 128 MiB), nothing of size Sq × Skv; the reference backend allocates
+///   O(Sq·Skv) per (sequence, head) in flight.
 /// Threads (OpenMP builds): a call large enough to pay for a team (about 2^20 multiply-adds on the fused path)
 ///   shares its work over (sequence, kv head, query tile, key chunk) among omp_get_max_threads() threads, the
 ///   calling thread's own setting (OMP_NUM_THREADS for all threads, omp_set_num_threads(n) for the thread that
@@ -259,6 +260,18 @@ void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorV
   using S = std::remove_const_t<KE>;
   detail::attention_impl<T, S>("qkv::attention", q, TensorView4<const S>(k), TensorView4<const S>(v), out, &lse,
                                options);
+}
+
+/// Frees the memory the fused kernel keeps on the calling thread between calls (its workspace: the packed K and V
+/// of the largest prefill the thread has run, about the float size of that call's K and V; decoding packs nothing).
+/// The next prefill on the thread allocates them again. Keeping them spares each call the page faults of fresh
+/// memory, as PyTorch's caching allocator and oneDNN's scratchpad do; call this after a large call whose memory
+/// should go back (`torch.cuda.empty_cache()` is PyTorch's counterpart). Not to be called while an attention call
+/// runs on the same thread (it cannot be: calls do not call back). Throws nothing. Complexity: O(1) (two frees).
+inline void release_workspace() noexcept {
+  detail::Workspace& workspace = detail::Workspace::of_this_thread();
+  workspace.keys.release();
+  workspace.values.release();
 }
 
 }  // namespace QKV_ISA_NAME

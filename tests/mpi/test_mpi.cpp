@@ -669,6 +669,7 @@ TEST(RingAttention, PeakAllocationIsTheShardTwoBlocksAndOneCall) {
           lc(static_cast<std::size_t>(B * Hq * max_chunk));
       qkv::AttentionOptions<float> options = o.options;
       options.causal = false;  // every key tile visited: the call's largest allocation
+      qkv::release_workspace();  // the call's packed K/V counted in one_call, not left from earlier tests
       const long long before = g_live_bytes.load();
       g_peak_bytes = before;
       qkv::attention<float>(qkv::TensorView4<const float>(qc.data(), {B, Hq, max_chunk, D}),
@@ -684,6 +685,7 @@ TEST(RingAttention, PeakAllocationIsTheShardTwoBlocksAndOneCall) {
     const long long slack = 64 * 1024;  // shard_rows' vectors, the options' copy, strings of the checks
     const long long whole_kv = S * B * Hkv * (D + Dv) * static_cast<long long>(sizeof(float));
 
+    qkv::release_workspace();  // the ring's calls allocate their packed K/V inside the measured window
     MPI_Barrier(MPI_COMM_WORLD);
     const long long before = g_live_bytes.load();
     g_peak_bytes = before;

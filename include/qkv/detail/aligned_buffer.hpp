@@ -1,4 +1,5 @@
-// qkv/detail/aligned_buffer.hpp — the fused kernel's scratch storage: 64-byte aligned floats, allocated once per call.
+// qkv/detail/aligned_buffer.hpp — the fused kernel's scratch storage: 64-byte aligned floats, allocated once per call,
+// and the workspace a thread keeps between calls (its largest buffers, the packed K and V).
 #pragma once
 
 #include <algorithm>
@@ -47,18 +48,38 @@ class AlignedBuffer {
   }
   float* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
-
- private:
+  /// Frees the storage: size() is 0 after.
   void release() noexcept {
     if (data_ != nullptr) ::operator delete(data_, std::align_val_t(alignment_));
     data_ = nullptr;
     size_ = 0;
   }
+
+ private:
   static constexpr std::size_t kHugePage = std::size_t(2) << 20;
   static constexpr std::size_t kHugeBytes = std::size_t(4) << 20;
   float* data_ = nullptr;
   std::size_t size_ = 0;
   std::size_t alignment_ = 64;
+};
+
+/// The buffers a thread keeps from one attention call to the next: the packed K and V of the prefills it runs
+/// (pack.hpp, PackedKV), the largest allocation of a call (about the float size of its K and V), grown to the largest
+/// call the thread has made and freed by qkv::release_workspace() or when the thread ends. Allocated afresh for every
+/// call, they came back from the system as fresh pages about as often as not (glibc returns large freed blocks), and
+/// faulting them in again cost a prefill 4 % of its time at T = 4096 (huge pages) and more than half at T = 1024,
+/// D = 64 (4 KiB pages) on a Zen 5 VM (bench/README.md, "2026-12-02, tenth session"). One call at a time holds them
+/// (`lent`); a call that finds them held (a call made while another runs on the same thread) takes its own.
+/// One per thread and per qkv build (QKV_ISA_NAME), on the thread that makes the call (the kernel's own OpenMP
+/// workers keep none).
+struct Workspace {
+  AlignedBuffer keys, values;
+  bool lent = false;
+
+  static Workspace& of_this_thread() noexcept {
+    thread_local Workspace workspace;
+    return workspace;
+  }
 };
 
 }  // namespace QKV_ISA_NAME

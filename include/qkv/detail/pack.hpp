@@ -138,6 +138,17 @@ class PackedKV {
   static constexpr int kPanel = FusedTiles<Tag>::kPanel;
   static constexpr int kChunk = FusedTiles<Tag>::kChunk;
 
+  /// Borrows the calling thread's workspace (aligned_buffer.hpp) for the call, or where a call on this thread holds
+  /// it already, uses buffers of its own.
+  PackedKV() : workspace_(Workspace::of_this_thread()), borrowed_(!workspace_.lent) {
+    if (borrowed_) workspace_.lent = true;
+  }
+  ~PackedKV() {
+    if (borrowed_) workspace_.lent = false;
+  }
+  PackedKV(const PackedKV&) = delete;
+  PackedKV& operator=(const PackedKV&) = delete;
+
   template <class S>
   void pack(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v,
             const std::vector<char>& decode) {
@@ -193,7 +204,11 @@ class PackedKV {
   std::size_t index(Index b, Index h_kv) const noexcept { return static_cast<std::size_t>(b * Hkv_ + h_kv); }
 
   Index Hkv_ = 0;
-  AlignedBuffer keys_, values_;
+  Workspace& workspace_;
+  const bool borrowed_;
+  AlignedBuffer own_keys_, own_values_;  // used only where the workspace was held
+  AlignedBuffer& keys_ = borrowed_ ? workspace_.keys : own_keys_;
+  AlignedBuffer& values_ = borrowed_ ? workspace_.values : own_values_;
   std::vector<Index> key_offset_, value_offset_;
   std::vector<float> key_abs_max_;
 };
