@@ -486,8 +486,8 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
 
 TEST(Fused, KeepsThePackedKeysAndValuesBetweenCallsUntilReleased) {
   if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
-  // T = 1024, 2 heads, D = 64: the packed K and V are 512 KiB each (no padding at these sizes on any tag).
-  const Index T = 1024, H = 2, D = 64;
+  // T = 256, 2 heads, D = 64: the packed K and V are 128 KiB each (no padding at these sizes on any tag).
+  const Index T = 256, H = 2, D = 64;
   const std::size_t n = static_cast<std::size_t>(H * T * D);
   std::vector<float> q(n), k1(n), k2(n), v1(n), v2(n), out(n), first(n), again(n);
   for (std::size_t i = 0; i < n; ++i) {  // two different K/V of one shape, so a stale packed copy would show

@@ -324,6 +324,46 @@ TEST(ThreadSafety, CallsInsideAUserParallelRegionRunOnTheCallingThreadAndMatch) 
 #endif
 }
 
+/// Runs `inner` once, from inside the first parallel region a qkv call opens (on its thread 0, the calling thread, while
+/// that call holds the thread's workspace of packed K and V), after trying to free that workspace there.
+struct CallInsideACall {
+  const Call* inner = nullptr;
+  Bytes result;
+  bool started = false;
+
+  static void record(int, int, void* context) {
+    CallInsideACall& self = *static_cast<CallInsideACall*>(context);
+    if (self.started) return;  // the inner call's own regions report here too
+    self.started = true;
+    qkv::release_workspace();  // must leave the running call's buffers alone
+    self.result = self.inner->run();
+  }
+};
+
+TEST(ThreadSafety, ACallMadeWhileAnotherRunsOnTheThreadTakesBuffersOfItsOwn) {
+#if !defined(_OPENMP)
+  GTEST_SKIP() << "built without OpenMP: no parallel region to make the inner call from";
+#else
+  // The calling thread keeps its packed K and V between calls (qkv::release_workspace). A call made while another
+  // runs on the same thread (here from the observer of the outer call's task region, after the outer call packed
+  // K and V) must neither use nor free the buffers the outer call is reading.
+  const std::vector<Call> calls = all_calls();
+  const std::vector<Bytes> expected = single_threaded_results(calls);
+  const Call& outer = calls[0];  // fused, GQA 8/2, masks: its task loop opens a team
+  CallInsideACall nested;
+  nested.inner = &calls[1];  // fused varlen: other shapes, other packed K and V
+  Bytes outer_result;
+  qkv::detail::TeamObserver::context = &nested;
+  qkv::detail::TeamObserver::callback = &CallInsideACall::record;
+  outer_result = outer.run();
+  qkv::detail::TeamObserver::callback = nullptr;
+  qkv::detail::TeamObserver::context = nullptr;
+  ASSERT_TRUE(nested.started) << "the outer call opened no parallel region";
+  EXPECT_TRUE(outer_result == expected[0]) << outer.name << " differs after a call made inside it";
+  EXPECT_TRUE(nested.result == expected[1]) << calls[1].name << " differs when made inside another call";
+#endif
+}
+
 TEST(ThreadSafety, EachCallerThreadChoosesItsTeamSizeWithOmpSetNumThreads) {
 #if !defined(_OPENMP)
   GTEST_SKIP() << "built without OpenMP";

@@ -262,14 +262,19 @@ void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorV
                                options);
 }
 
-/// Frees the memory the fused kernel keeps on the calling thread between calls (its workspace: the packed K and V
-/// of the largest prefill the thread has run, about the float size of that call's K and V; decoding packs nothing).
-/// The next prefill on the thread allocates them again. Keeping them spares each call the page faults of fresh
-/// memory, as PyTorch's caching allocator and oneDNN's scratchpad do; call this after a large call whose memory
-/// should go back (`torch.cuda.empty_cache()` is PyTorch's counterpart). Not to be called while an attention call
-/// runs on the same thread (it cannot be: calls do not call back). Throws nothing. Complexity: O(1) (two frees).
+/// Frees the memory the fused kernel keeps on the calling thread between calls (its workspace: a buffer of packed K
+/// and one of packed V, each as large as the largest the thread's prefills have needed, together about the float
+/// size of the largest call's K and V; decoding packs nothing). The next prefill on the thread allocates them again.
+/// Keeping them spares each call the page faults of fresh memory, as PyTorch's caching allocator and oneDNN's
+/// scratchpad do; call this after a large call whose memory should go back (`torch.cuda.empty_cache()` is PyTorch's
+/// counterpart). Frees the calling thread's workspace only, of this qkv build (the QKV_ISA_NAME of config.hpp: a
+/// unit built with other flags has its own); a thread that never calls it keeps its workspace until it ends (the
+/// workers of an OpenMP pool that make calls never end). Does nothing while a call on this thread holds the
+/// workspace. Not to be called from static destructors after the thread's workspace is gone (as for any
+/// thread_local). Throws nothing. Complexity: O(1) (two frees).
 inline void release_workspace() noexcept {
   detail::Workspace& workspace = detail::Workspace::of_this_thread();
+  if (workspace.lent) return;
   workspace.keys.release();
   workspace.values.release();
 }

@@ -64,8 +64,8 @@ class AlignedBuffer {
 };
 
 /// The buffers a thread keeps from one attention call to the next: the packed K and V of the prefills it runs
-/// (pack.hpp, PackedKV), the largest allocation of a call (about the float size of its K and V), grown to the largest
-/// call the thread has made and freed by qkv::release_workspace() or when the thread ends. Allocated afresh for every
+/// (pack.hpp, PackedKV), the largest allocation of a call (about the float size of its K and V), each grown to the
+/// largest the thread has needed and freed by qkv::release_workspace() or when the thread ends. Allocated afresh for every
 /// call, they came back from the system as fresh pages about as often as not (glibc returns large freed blocks), and
 /// faulting them in again cost a prefill 4 % of its time at T = 4096 (huge pages) and more than half at T = 1024,
 /// D = 64 (4 KiB pages) on a Zen 5 VM (bench/README.md, "2026-12-02, tenth session"). One call at a time holds them
