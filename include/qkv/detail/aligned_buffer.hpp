@@ -65,13 +65,13 @@ class AlignedBuffer {
 
 /// The buffers a thread keeps from one attention call to the next: the packed K and V of the prefills it runs
 /// (pack.hpp, PackedKV), the largest allocation of a call (about the float size of its K and V), each grown to the
-/// largest the thread has needed and freed by qkv::release_workspace() or when the thread ends. Allocated afresh for every
-/// call, they came back from the system as fresh pages about as often as not (glibc returns large freed blocks), and
-/// faulting them in again cost a prefill 4 % of its time at T = 4096 (huge pages) and more than half at T = 1024,
-/// D = 64 (4 KiB pages) on a Zen 5 VM (bench/README.md, "2026-12-02, tenth session"). One call at a time holds them
-/// (`lent`); a call that finds them held (a call made while another runs on the same thread) takes its own.
-/// One per thread and per qkv build (QKV_ISA_NAME), on the thread that makes the call (the kernel's own OpenMP
-/// workers keep none).
+/// largest the thread has needed and freed by qkv::release_workspace() or when the thread ends. Allocated afresh for
+/// every call, they often came back from the system as fresh pages (glibc returns large freed blocks, or cannot reuse
+/// them for a 2 MiB-aligned request), and faulting them in again cost a one-thread prefill 3 % of its time at
+/// T = 4096, D = 128 (huge pages) and half of it at T = 1024, D = 64 (4 KiB pages) on a Zen 5 VM (bench/README.md,
+/// "2026-12-02, tenth session"). One call at a time holds them (`lent`); a call that finds them held (a call made
+/// while another runs on the same thread) takes its own. One per thread and per qkv build (QKV_ISA_NAME), on the
+/// thread that makes the call (the kernel's own OpenMP workers keep none).
 struct Workspace {
   AlignedBuffer keys, values;
   bool lent = false;
