@@ -47,11 +47,18 @@ double allocated_mib(F&& call) {
   return double(qkv_test::count_allocations(call).bytes) / (1024.0 * 1024.0);
 }
 
+/// n standard normal floats (Box–Muller in float over 24-bit uniforms from mt19937). libstdc++'s
+/// std::normal_distribution<float> computes in long double (logl) and took most of a decode run's time, filling
+/// 256 MiB of K and V for every repetition (bench/README.md, "2026-12-02, tenth session").
 std::vector<float> random_vector(std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
+  const auto uniform = [&rng] { return (float(rng() >> 8) + 0.5f) * 0x1p-24f; };  // in (0, 1)
   std::vector<float> v(n);
-  for (auto& x : v) x = normal(rng);
+  for (std::size_t i = 0; i < n; i += 2) {
+    const float radius = std::sqrt(-2.0f * std::log(uniform())), angle = 6.28318531f * uniform();
+    v[i] = radius * std::cos(angle);
+    if (i + 1 < n) v[i + 1] = radius * std::sin(angle);
+  }
   return v;
 }
 
@@ -344,13 +351,18 @@ void BM_FusedDecode(benchmark::State& state) {
     const auto view = [bshd](const auto* data, Index H, Index S_) {
       return bshd ? qkv::view_bshd(data, 1, S_, H, D) : qkv::view_bhsd(data, 1, H, S_, D);
     };
-    for (auto _ : state) {
+    const auto call = [&] {
       qkv::attention(view(q.data(), Hq, 1), view(k.data(), Hkv, Skv), view(v.data(), Hkv, Skv),
                      bshd ? qkv::view_bshd(out.data(), 1, 1, Hq, D) : qkv::view_bhsd(out.data(), 1, Hq, 1, D),
                      options);
       benchmark::DoNotOptimize(out.data());
       benchmark::ClobberMemory();
-    }
+    };
+    // One call before the timed loop: on a VM the first read of freshly written K and V can cost far more than the
+    // read itself (a first call at Skv = 32768 took 336-443 ms against 12 ms for the next ones on the Zen 5 VM of
+    // bench/README.md, "2026-12-02, tenth session"), and with a short --benchmark_min_time it was the only one timed.
+    call();
+    for (auto _ : state) call();
   });
   const double bytes = 2.0 * double(Hkv * Skv * D) * double(element_bytes);
   state.counters["GBps"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
@@ -368,7 +380,7 @@ void BM_ReadLoop(benchmark::State& state) {
   const auto data = random_vector(n, 4);
   using Tag = qkv::simd::BestTag;
   constexpr int L = Tag::kLanes;
-  for (auto _ : state) {
+  const auto read = [&] {
     float total = 0;
     // Each thread sums a contiguous half with four independent accumulators: bound by memory, not by add latency.
 #if defined(_OPENMP)
@@ -393,7 +405,9 @@ void BM_ReadLoop(benchmark::State& state) {
       total += qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
     }
     benchmark::DoNotOptimize(total);
-  }
+  };
+  read();  // as BM_FusedDecode: the first pass over freshly written memory is not timed
+  for (auto _ : state) read();
   (void)threads;
   state.counters["GBps"] =
       benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
