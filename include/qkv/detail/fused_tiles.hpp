@@ -85,6 +85,25 @@ inline void dispatch_rows(Index rows, F&& f) {
   dispatch_rows(rows, f, std::integer_sequence<int, 1, 2, 3, 4, 5, 6>());
 }
 
+/// Calls f(std::integral_constant<int, V>()) for V = vectors, 1 ≤ vectors ≤ kMax ≤ 4: a micro-kernel's vector count
+/// as a template argument where a panel or chunk needs fewer than kVectors (a strip's last key panel, qk_panel; a
+/// narrow last value chunk, pv_chunk_tail). Only the counts up to kMax are instantiated.
+template <int kMax, class F>
+inline void dispatch_vectors(int vectors, F&& f) {
+  static_assert(kMax >= 1 && kMax <= 4, "qkv: the micro-kernels hold 1 to 4 vectors per row");
+  QKV_ASSERT(vectors >= 1 && vectors <= kMax);
+  if constexpr (kMax >= 4) {
+    if (vectors == 4) return f(std::integral_constant<int, 4>());
+  }
+  if constexpr (kMax >= 3) {
+    if (vectors == 3) return f(std::integral_constant<int, 3>());
+  }
+  if constexpr (kMax >= 2) {
+    if (vectors == 2) return f(std::integral_constant<int, 2>());
+  }
+  f(std::integral_constant<int, 1>());
+}
+
 }  // namespace QKV_PASS_NAME
 }  // namespace QKV_ISA_NAME
 }  // namespace detail

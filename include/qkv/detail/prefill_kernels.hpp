@@ -71,16 +71,10 @@ inline void qk_panel(const float* q, Index ldq, const float* panel, Index D, flo
                      Index keys = FusedTiles<Tag>::kPanel) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel, L = Tag::kLanes, NV = FusedTiles<Tag>::kVectors;
   const int vectors = keys >= kPanel ? NV : static_cast<int>((keys + L - 1) / L);
-  if constexpr (NV >= 4) {
-    if (vectors == 3) return strip_times_panel<Tag, R, false, StripLayout::rows, 3>(q, ldq, panel, kPanel, D, s, lds);
-  }
-  if constexpr (NV >= 3) {
-    if (vectors == 2) return strip_times_panel<Tag, R, false, StripLayout::rows, 2>(q, ldq, panel, kPanel, D, s, lds);
-  }
-  if constexpr (NV >= 2) {
-    if (vectors == 1) return strip_times_panel<Tag, R, false, StripLayout::rows, 1>(q, ldq, panel, kPanel, D, s, lds);
-  }
-  strip_times_panel<Tag, R, false>(q, ldq, panel, kPanel, D, s, lds);
+  dispatch_vectors<NV>(vectors, [&](auto vectors_constant) {
+    constexpr int kV = decltype(vectors_constant)::value;
+    strip_times_panel<Tag, R, false, StripLayout::rows, kV>(q, ldq, panel, kPanel, D, s, lds);
+  });
 }
 
 /// acc_o[r][0 .. kChunk) += Σ_j p[r][j] · v[j][0 .. kChunk) for R rows: P·V over one packed value chunk (p laid out
@@ -126,16 +120,9 @@ inline void pv_chunk_tail(const float* p, Index ldp, const float* v, Index keys,
   constexpr int L = Tag::kLanes, NV = FusedTiles<Tag>::kVectors;
   const Index ldv = FusedTiles<Tag>::chunk_floats(width);
   const int vectors = (width + L - 1) / L, last = width - (vectors - 1) * L;
-  if constexpr (NV >= 4) {
-    if (vectors == 4) return pv_chunk_vectors<Tag, R, kLayout, 4>(p, ldp, v, ldv, keys, o, ldo, last);
-  }
-  if constexpr (NV >= 3) {
-    if (vectors == 3) return pv_chunk_vectors<Tag, R, kLayout, 3>(p, ldp, v, ldv, keys, o, ldo, last);
-  }
-  if constexpr (NV >= 2) {
-    if (vectors == 2) return pv_chunk_vectors<Tag, R, kLayout, 2>(p, ldp, v, ldv, keys, o, ldo, last);
-  }
-  pv_chunk_vectors<Tag, R, kLayout, 1>(p, ldp, v, ldv, keys, o, ldo, last);
+  dispatch_vectors<NV>(vectors, [&](auto vectors_constant) {
+    pv_chunk_vectors<Tag, R, kLayout, decltype(vectors_constant)::value>(p, ldp, v, ldv, keys, o, ldo, last);
+  });
 }
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[first + j][0 .. Dv) for the R rows of a strip, j < keys, V packed by
