@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -766,6 +767,7 @@ qkv_test::AllocationCount fused_backward_allocation(Index S, Index D) {
   const TensorView4<float> out_view(out.data(), {1, 1, S, D});
   const TensorView3<float> lse_view(lse.data(), {1, 1, S});
   qkv::attention<float>(in.q_view(), in.k_view(), in.v_view(), out_view, lse_view, in.options);
+  qkv::release_workspace();  // the scratch kept from earlier calls would hide this call's
   const qkv_test::AllocationCount count = qkv_test::count_allocations([&] {
     qkv::attention_backward<float>(
         in.q_view(), in.k_view(), in.v_view(), out_view, lse_view, TensorView4<const float>(d_out.data(), {1, 1, S, D}),
@@ -788,6 +790,39 @@ TEST(FusedBackwardMemory, AllocatesNothingOfSizeSqTimesSkv) {
   const qkv_test::AllocationCount large = fused_backward_allocation(4096, D);
   EXPECT_LT(large.bytes, static_cast<std::size_t>(4096 * 4096) * sizeof(float) / 8);
   EXPECT_LE(large.bytes, 5 * small.bytes);
+}
+
+TEST(FusedBackwardMemory, KeepsItsScratchBetweenCallsUntilReleased) {
+  // The scratch holds at least the packed K (as panels and as chunks), V, Q and dO and the dQ rows: 6·S·D floats at
+  // Sq = Skv = S, Dv = D, one head. A second call of the same shape finds it in the calling thread's workspace.
+  if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
+  const Index S = 512, D = 64;
+  const Case c = make_case("scratch", shape_of(1, 1, 1, S, S, D, D), 67, [](brute::Params&) {});
+  qkv_test::Inputs<float> in(c.pr, qkv::Backend::fused);
+  const std::size_t n = static_cast<std::size_t>(S * D);
+  std::vector<float> out(n), lse(static_cast<std::size_t>(S)), d_out(c.d_out.begin(), c.d_out.end());
+  const TensorView4<float> out_view(out.data(), {1, 1, S, D});
+  const TensorView3<float> lse_view(lse.data(), {1, 1, S});
+  qkv::attention<float>(in.q_view(), in.k_view(), in.v_view(), out_view, lse_view, in.options);
+  std::vector<float> fresh_grads(3 * n), kept_grads(3 * n);
+  const auto call = [&](std::vector<float>& g) {
+    return qkv_test::count_allocations([&] {
+      qkv::attention_backward<float>(in.q_view(), in.k_view(), in.v_view(), out_view, lse_view,
+                                     TensorView4<const float>(d_out.data(), {1, 1, S, D}),
+                                     TensorView4<float>(g.data(), {1, 1, S, D}),
+                                     TensorView4<float>(g.data() + n, {1, 1, S, D}),
+                                     TensorView4<float>(g.data() + 2 * n, {1, 1, S, D}), in.options);
+    });
+  };
+  qkv::release_workspace();
+  const qkv_test::AllocationCount fresh = call(fresh_grads);
+  const qkv_test::AllocationCount kept = call(kept_grads);
+  EXPECT_LE(kept.bytes + 6 * n * sizeof(float), fresh.bytes) << "fresh " << fresh.bytes << ", kept " << kept.bytes;
+  for (std::size_t i = 0; i < 3 * n; ++i) {
+    ASSERT_EQ(std::memcmp(&fresh_grads[i], &kept_grads[i], sizeof(float)), 0) << i;
+  }
+  qkv::release_workspace();
+  EXPECT_EQ(call(kept_grads).bytes, fresh.bytes);  // released: allocated afresh
 }
 
 // ---- threads, backends, edge cases, errors

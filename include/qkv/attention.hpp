@@ -262,9 +262,10 @@ void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorV
                                options);
 }
 
-/// Frees the memory the fused kernel keeps on the calling thread between calls (its workspace: a buffer of packed K
+/// Frees the memory the fused kernels keep on the calling thread between calls (its workspace: a buffer of packed K
 /// and one of packed V, each as large as the largest the thread's prefills have needed, together about the float
-/// size of the largest call's K and V; decoding packs nothing). The next prefill on the thread allocates them again.
+/// size of the largest call's K and V, decoding packing nothing; the first of them also holds the scratch of
+/// `attention_backward`'s team, O((Skv + G·Sq)·(D + Dv)) floats per thread). The next call allocates them again.
 /// Keeping them spares each call the page faults of fresh memory, as PyTorch's caching allocator and oneDNN's
 /// scratchpad do; call this after a large call whose memory should go back (`torch.cuda.empty_cache()` is PyTorch's
 /// counterpart). Frees the calling thread's workspace only, of this qkv build (the QKV_ISA_NAME of config.hpp: a
@@ -275,8 +276,8 @@ void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorV
 inline void release_workspace() noexcept {
   detail::Workspace& workspace = detail::Workspace::of_this_thread();
   if (workspace.lent) return;
-  workspace.keys.release();
-  workspace.values.release();
+  workspace.first.release();
+  workspace.second.release();
 }
 
 }  // namespace QKV_ISA_NAME

@@ -432,7 +432,8 @@ inline namespace QKV_ISA_NAME {
 /// Complexity: O(B·Hq·Sq·Skv·(D + Dv)) time. The reference allocates O(Sq_b·Skv_b) per (sequence, kv head) in flight
 ///   and O(size of the bias) for d_bias; the fused backward, per thread, its task's K, V, Q and dO packed once and its
 ///   d_q rows (O((Skv_b + G·Sq_b)·(D + Dv)) floats) and 64-row × 128-key tiles, nothing of size Sq × Skv
-///   (detail/fused_backward.hpp).
+///   (detail/fused_backward.hpp), all in one buffer that the calling thread keeps for its next calls, as the forward
+///   keeps its packed K and V, until `qkv::release_workspace()` (attention.hpp).
 /// Threads (OpenMP): work is shared over (sequence, kv head) tasks, each owning its d_k, d_v and its query heads'
 ///   rows of d_q, so results are bit-identical for any number of threads (a d_bias that two tasks would share runs
 ///   the tasks in order). The team rules are qkv::attention's.

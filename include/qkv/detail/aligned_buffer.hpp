@@ -1,5 +1,6 @@
-// qkv/detail/aligned_buffer.hpp — the fused kernel's scratch storage: 64-byte aligned floats, allocated once per call,
-// and the workspace a thread keeps between calls (its largest buffers, the packed K and V).
+// qkv/detail/aligned_buffer.hpp — the fused kernels' scratch storage: 64-byte aligned floats, allocated once per call,
+// and the workspace a thread keeps between calls (its largest buffers: a prefill's packed K and V, a backward's
+// scratch).
 #pragma once
 
 #include <algorithm>
@@ -63,23 +64,46 @@ class AlignedBuffer {
   std::size_t alignment_ = 64;
 };
 
-/// The buffers a thread keeps from one attention call to the next: the packed K and V of the prefills it runs
-/// (pack.hpp, PackedKV), the largest allocation of a call (about the float size of its K and V), each grown to the
-/// largest the thread has needed and freed by qkv::release_workspace() or when the thread ends. Allocated afresh for
-/// every call, they often came back from the system as fresh pages (glibc returns large freed blocks, or cannot reuse
-/// them for a 2 MiB-aligned request), and faulting them in again cost a one-thread prefill 3 % of its time at
-/// T = 4096, D = 128 (huge pages) and half of it at T = 1024, D = 64 (4 KiB pages) on a Zen 5 VM (bench/README.md,
-/// "2026-12-02, tenth session"). One call at a time holds them (`lent`); a call that finds them held (a call made
+/// The buffers a thread keeps from one attention call to the next, each grown to the largest the thread has needed and
+/// freed by qkv::release_workspace() or when the thread ends: a prefill's packed K in `first` and packed V in `second`
+/// (pack.hpp, PackedKV: the largest allocation of a forward call, about the float size of its K and V); a backward
+/// call's scratch for every thread of its team in `first` (fused_backward.hpp). Allocated afresh for every call, they
+/// often came back from the system as fresh pages (glibc returns large freed blocks, or cannot reuse them for a 2 MiB-
+/// aligned request), and faulting them in again cost a one-thread prefill 3 % of its time at T = 4096, D = 128 (huge
+/// pages) and half of it at T = 1024, D = 64 (4 KiB pages) on a Zen 5 VM (bench/README.md, "2026-12-02, tenth
+/// session"). One call at a time holds them (`lent`, through WorkspaceLoan); a call that finds them held (a call made
 /// while another runs on the same thread) takes its own. One per thread and per qkv build (QKV_ISA_NAME), on the
 /// thread that makes the call (the kernel's own OpenMP workers keep none).
 struct Workspace {
-  AlignedBuffer keys, values;
+  AlignedBuffer first, second;
   bool lent = false;
 
   static Workspace& of_this_thread() noexcept {
     thread_local Workspace workspace;
     return workspace;
   }
+};
+
+/// One call's hold on the calling thread's Workspace: its buffers, or where a call on this thread holds the workspace
+/// already, buffers of the loan's own, freed with it.
+class WorkspaceLoan {
+ public:
+  WorkspaceLoan() noexcept : workspace_(Workspace::of_this_thread()), borrowed_(!workspace_.lent) {
+    if (borrowed_) workspace_.lent = true;
+  }
+  ~WorkspaceLoan() {
+    if (borrowed_) workspace_.lent = false;
+  }
+  WorkspaceLoan(const WorkspaceLoan&) = delete;
+  WorkspaceLoan& operator=(const WorkspaceLoan&) = delete;
+
+  AlignedBuffer& first() noexcept { return borrowed_ ? workspace_.first : own_first_; }
+  AlignedBuffer& second() noexcept { return borrowed_ ? workspace_.second : own_second_; }
+
+ private:
+  Workspace& workspace_;
+  const bool borrowed_;
+  AlignedBuffer own_first_, own_second_;
 };
 
 }  // namespace QKV_ISA_NAME

@@ -28,8 +28,9 @@
 // the L2 misses of the per-sequence layout at Sq = Skv = 1024, D = 128).
 //
 // Memory: per thread the task's packed K (twice), Vᵀ, Q and dO (O((Skv + G·Sq)·D) floats), dQ of the task (G·Sq × D),
-// and tiles of kBlockRows × kBlockKeys: nothing of size Sq × Skv. Threads share the tasks; each task writes only its
-// own rows of d_q, d_k and d_v, so the result is bit-identical for any thread count.
+// and tiles of kBlockRows × kBlockKeys: nothing of size Sq × Skv. Every thread's share is a slice of one buffer that
+// the calling thread keeps between calls (aligned_buffer.hpp, Workspace). Threads share the tasks; each task writes
+// only its own rows of d_q, d_k and d_v, so the result is bit-identical for any thread count.
 //
 // Exactness (docs/design.md, "Backward pass"): hidden keys are selected away (P = 0, dS = 0), never read into the
 // arithmetic, and get exactly zero gradient; a row that sees no key (lse = −∞) contributes nothing. A task whose inputs
@@ -92,12 +93,13 @@ struct BackwardTiles {
   static_assert(kBlockKeys % kPanel == 0, "qkv: kBlockKeys must be a multiple of the panel width");
 };
 
-/// Per-thread scratch of the fused backward: sized once per call for the largest task, reused by every task.
+/// Per-thread scratch of the fused backward: sized once per call for the largest task, reused by every task; the
+/// float arrays are one thread's slice of a single buffer (FusedBackward::run).
 struct BackwardScratch {
-  AlignedBuffer k_panels, k_chunks, v_panels, q_chunks, do_chunks;  ///< the task's packed operands
-  AlignedBuffer delta, dq;                                          ///< D_i and dQ of the task's G·Sq rows
+  float *k_panels, *k_chunks, *v_panels, *q_chunks, *do_chunks;  ///< the task's packed operands
+  float *delta, *dq;                                             ///< D_i and dQ of the task's G·Sq rows
   /// One block's buffers (P̃ with dropout; the transposes on the exact path) and the key tile's dK and dV.
-  AlignedBuffer s, dp, p_kept, pt, dst, factor, dk, dv;
+  float *s, *dp, *p_kept, *pt, *dst, *factor, *dk, *dv;
   std::vector<HeadMask<float>> masks;  ///< the task's G head masks
 };
 
@@ -142,15 +144,30 @@ class FusedBackward {
       max_skv = std::max(max_skv, skv);
     }
     const bool parallel = n_tasks > 1 && work > (Index(1) << 20) && may_open_team();
+    // Every thread's scratch is a slice of one buffer of the calling thread's workspace (aligned_buffer.hpp), kept for
+    // its next calls: allocated per thread and per call, the slices (12 MiB a thread at T = 4096, D = 128) came back
+    // as fresh pages and were faulted in again by every call.
 #if defined(_OPENMP)
-#pragma omp parallel if (parallel)
+    const int team = parallel ? omp_get_max_threads() : 1;
 #else
-    (void)parallel;
+    const int team = 1;
+#endif
+    const std::size_t slice = carve(nullptr, max_sq, max_skv, nullptr);
+    WorkspaceLoan loan;
+    AlignedBuffer& buffer = loan.first();
+    buffer.resize(slice * static_cast<std::size_t>(team));
+#if defined(_OPENMP)
+#pragma omp parallel if (parallel) num_threads(team)
 #endif
     {
       observe_team();
+#if defined(_OPENMP)
+      const std::size_t thread = static_cast<std::size_t>(omp_get_thread_num());
+#else
+      const std::size_t thread = 0;
+#endif
       BackwardScratch scratch;
-      allocate(scratch, max_sq, max_skv);
+      carve(buffer.data() + thread * slice, max_sq, max_skv, &scratch);
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -163,26 +180,36 @@ class FusedBackward {
   /// Floats per row of a Q, dO or K block packed by pack_values: its full chunks and its last one, whole vectors wide.
   static Index packed_width(Index n) noexcept { return FusedTiles<Tag>::chunk_floats(n); }
 
-  void allocate(BackwardScratch& s, Index max_sq, Index max_skv) const {
+  /// Lays one thread's scratch out from `base` (each array 64-byte aligned; the slice a whole number of 4 KiB pages,
+  /// so that threads never share a page) and returns the slice's size in floats. With `s` null it only counts.
+  std::size_t carve(float* base, Index max_sq, Index max_skv, BackwardScratch* s) const {
     const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group, rows = G * max_sq;
-    const auto floats = [](Index n) { return static_cast<std::size_t>(std::max<Index>(1, n)); };
-    s.k_panels.resize(floats(round_up(max_skv, kPanel) * D));
-    s.k_chunks.resize(floats(packed_width(D) * max_skv));
-    s.v_panels.resize(floats(round_up(max_skv, kPanel) * Dv));
-    s.q_chunks.resize(floats(rows * packed_width(D)));
-    s.do_chunks.resize(floats(rows * packed_width(Dv)));
-    s.delta.resize(floats(rows));
-    s.dq.resize(floats(rows * D));
-    const std::size_t block = floats(kBlockRows * kBlockKeys);
-    s.s.resize(block);
-    s.dp.resize(block);
-    s.p_kept.resize(block);
-    s.pt.resize(block);
-    s.dst.resize(block);
-    s.factor.resize(block);
-    s.dk.resize(floats(kBlockKeys * D));
-    s.dv.resize(floats(kBlockKeys * Dv));
-    s.masks.resize(static_cast<std::size_t>(std::max<Index>(1, G)));
+    std::size_t used = 0;
+    const auto take = [&](Index n) {
+      float* p = base == nullptr ? nullptr : base + used;
+      used += static_cast<std::size_t>(round_up(std::max<Index>(1, n), 16));
+      return p;
+    };
+    BackwardScratch unused;
+    BackwardScratch& t = s != nullptr ? *s : unused;
+    t.k_panels = take(round_up(max_skv, kPanel) * D);
+    t.k_chunks = take(packed_width(D) * max_skv);
+    t.v_panels = take(round_up(max_skv, kPanel) * Dv);
+    t.q_chunks = take(rows * packed_width(D));
+    t.do_chunks = take(rows * packed_width(Dv));
+    t.delta = take(rows);
+    t.dq = take(rows * D);
+    const Index block = kBlockRows * kBlockKeys;
+    t.s = take(block);
+    t.dp = take(block);
+    t.p_kept = take(block);
+    t.pt = take(block);
+    t.dst = take(block);
+    t.factor = take(block);
+    t.dk = take(kBlockKeys * D);
+    t.dv = take(kBlockKeys * Dv);
+    if (s != nullptr) s->masks.resize(static_cast<std::size_t>(std::max<Index>(1, G)));
+    return static_cast<std::size_t>(round_up(static_cast<Index>(used), 1024));
   }
 
   /// Whether every input the task reads is finite: q, out and d_out of its G heads, k and v of its visible keys,
@@ -217,7 +244,7 @@ class FusedBackward {
       if (Dv > 0) std::fill_n(&d_v_(vb, h_kv, kv_row0 + j, 0), Dv, 0.0f);
     }
     if (sq == 0) return;
-    float* dq = s.dq.data();
+    float* dq = s.dq;
     std::fill_n(dq, G * sq * D, 0.0f);
     if (skv > 0) {
       for (Index g = 0; g < G; ++g) s.masks[static_cast<std::size_t>(g)] = params_.head_mask(vb, h_kv * G + g, sq, skv);
@@ -227,8 +254,8 @@ class FusedBackward {
       const KeyRange range = geometry.key_range(0, sq);
       for (Index j0 = range.begin / kBlockKeys * kBlockKeys; j0 < range.end; j0 += kBlockKeys) {
         const Index j1 = std::min(j0 + kBlockKeys, range.end), n = j1 - j0;
-        std::fill_n(s.dk.data(), n * D, 0.0f);
-        std::fill_n(s.dv.data(), n * Dv, 0.0f);
+        std::fill_n(s.dk, n * D, 0.0f);
+        std::fill_n(s.dv, n * Dv, 0.0f);
         bool touched = false;
         for (Index g = 0; g < G; ++g) {
           for (Index i0 = 0; i0 < sq; i0 += kBlockRows) {
@@ -241,8 +268,8 @@ class FusedBackward {
         }
         if (!touched) continue;
         for (Index j = 0; j < n; ++j) {
-          std::copy_n(s.dk.data() + j * D, D, &d_k_(vb, h_kv, kv_row0 + j0 + j, 0));
-          if (Dv > 0) std::copy_n(s.dv.data() + j * Dv, Dv, &d_v_(vb, h_kv, kv_row0 + j0 + j, 0));
+          std::copy_n(s.dk + j * D, D, &d_k_(vb, h_kv, kv_row0 + j0 + j, 0));
+          if (Dv > 0) std::copy_n(s.dv + j * Dv, Dv, &d_v_(vb, h_kv, kv_row0 + j0 + j, 0));
         }
       }
     }
@@ -258,22 +285,22 @@ class FusedBackward {
   void pack_task(Index vb, Index h_kv, Index q_row0, Index sq, Index kv_row0, Index skv, BackwardScratch& s) const {
     const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group;
     const float* k = &k_(vb, h_kv, kv_row0, 0);
-    pack_keys<Tag>(k, k_.stride(2), skv, D, s.k_panels.data(), nullptr);
+    pack_keys<Tag>(k, k_.stride(2), skv, D, s.k_panels, nullptr);
     for (Index j0 = 0; j0 < skv; j0 += kBlockKeys) {
       pack_values<Tag>(k + j0 * k_.stride(2), k_.stride(2), std::min(kBlockKeys, skv - j0), D,
-                       s.k_chunks.data() + j0 * packed_width(D), nullptr);
+                       s.k_chunks + j0 * packed_width(D), nullptr);
     }
-    if (Dv > 0) pack_keys<Tag>(&v_(vb, h_kv, kv_row0, 0), v_.stride(2), skv, Dv, s.v_panels.data(), nullptr);
+    if (Dv > 0) pack_keys<Tag>(&v_(vb, h_kv, kv_row0, 0), v_.stride(2), skv, Dv, s.v_panels, nullptr);
     const Index q_area = sq * packed_width(D), do_area = sq * packed_width(Dv);
     for (Index g = 0; g < G; ++g) {
       const Index h = h_kv * G + g;
       for (Index i0 = 0; i0 < sq; i0 += kBlockRows) {
         const Index rows = std::min(kBlockRows, sq - i0);
         pack_values<Tag>(&q_(vb, h, q_row0 + i0, 0), q_.stride(2), rows, D,
-                         s.q_chunks.data() + g * q_area + i0 * packed_width(D), nullptr);
+                         s.q_chunks + g * q_area + i0 * packed_width(D), nullptr);
         if (Dv > 0) {
           pack_values<Tag>(&d_out_(vb, h, q_row0 + i0, 0), d_out_.stride(2), rows, Dv,
-                           s.do_chunks.data() + g * do_area + i0 * packed_width(Dv), nullptr);
+                           s.do_chunks + g * do_area + i0 * packed_width(Dv), nullptr);
         }
       }
       for (Index i = 0; i < sq; ++i) {
@@ -283,7 +310,7 @@ class FusedBackward {
           const float* d_o = &d_out_(vb, h, q_row0 + i, 0);
           for (Index d = 0; d < Dv; ++d) sum = std::fma(d_o[d], o[d], sum);
         }
-        s.delta.data()[g * sq + i] = sum;
+        s.delta[g * sq + i] = sum;
       }
     }
   }
@@ -299,14 +326,14 @@ class FusedBackward {
     const float scale = params_.rules.scale, softcap = params_.rules.softcap;
     const bool dropout = params_.dropout.active();
     const Index ld = kBlockKeys, ldt = kBlockRows;  // row strides of the R × n buffers and of the n × R transposes
-    float* S = s.s.data();                          // scores, then P
-    float* dP = s.dp.data();                        // dO·Vᵀ, then dS
-    float* P_kept = s.p_kept.data();                // P with dropout applied (P itself without dropout)
-    float* factor = s.factor.data();                // softcap′ per (i, j)
+    float* S = s.s;                                 // scores, then P
+    float* dP = s.dp;                               // dO·Vᵀ, then dS
+    float* P_kept = s.p_kept;                       // P with dropout applied (P itself without dropout)
+    float* factor = s.factor;                       // softcap′ per (i, j)
     const float* q_rows = &q_(vb, h, q_row0 + i0, 0);
     const float* do_rows = Dv > 0 ? &d_out_(vb, h, q_row0 + i0, 0) : nullptr;
-    const float* delta = s.delta.data() + g * sq + i0;
-    float* dq = s.dq.data() + (g * sq + i0) * D;
+    const float* delta = s.delta + g * sq + i0;
+    float* dq = s.dq + (g * sq + i0) * D;
     const Index panels = (n + kPanel - 1) / kPanel;
 
     // S = Q_blk · K_tileᵀ and dP = dO_blk · V_tileᵀ over the packed panels. A strip's panels also prefetch the next
@@ -322,11 +349,11 @@ class FusedBackward {
             simd::prefetch_row(q_rows + r * q_.stride(2), D);
             if (Dv > 0) simd::prefetch_row(do_rows + r * d_out_.stride(2), Dv);
           }
-          qk_panel<Tag, kR>(q_rows + r0 * q_.stride(2), q_.stride(2),
-                            s.k_panels.data() + (j0 / kPanel + p) * D * kPanel, D, S + r0 * ld + p * kPanel, ld);
+          qk_panel<Tag, kR>(q_rows + r0 * q_.stride(2), q_.stride(2), s.k_panels + (j0 / kPanel + p) * D * kPanel, D,
+                            S + r0 * ld + p * kPanel, ld);
           if (Dv > 0) {
             qk_panel<Tag, kR>(do_rows + r0 * d_out_.stride(2), d_out_.stride(2),
-                              s.v_panels.data() + (j0 / kPanel + p) * Dv * kPanel, Dv, dP + r0 * ld + p * kPanel, ld);
+                              s.v_panels + (j0 / kPanel + p) * Dv * kPanel, Dv, dP + r0 * ld + p * kPanel, ld);
           }
         }
       });
@@ -361,8 +388,8 @@ class FusedBackward {
     };
     // The block's Q and dO chunks, packed on their own (pack_task): R·kChunk floats from one chunk to the next.
     const Index q_area = sq * packed_width(D), do_area = sq * packed_width(Dv);
-    const float* q_chunks = s.q_chunks.data() + g * q_area + i0 * packed_width(D);
-    const float* do_chunks = s.do_chunks.data() + g * do_area + i0 * packed_width(Dv);
+    const float* q_chunks = s.q_chunks + g * q_area + i0 * packed_width(D);
+    const float* do_chunks = s.do_chunks + g * do_area + i0 * packed_width(Dv);
     // pv_block below reads the block's Q and dO chunks and its rows of dQ, from L3 or memory once per key tile: the
     // row loop prefetches them, a share per row, so they arrive while the exponentials run.
     const auto prefetch_share = [R](const float* data, Index floats, Index r) {
@@ -462,29 +489,29 @@ class FusedBackward {
     const float* P_used = dropout ? P_kept : S;
 
     // The tile's K chunks, packed on their own: tile_keys·kChunk floats from one chunk to the next.
-    const float* k_chunks = s.k_chunks.data() + j0 * packed_width(D);
+    const float* k_chunks = s.k_chunks + j0 * packed_width(D);
     const Index tile_keys = std::min(kBlockKeys, skv - j0);
     if (!exact) {
       // dV_tile += P̃ᵀ · dO_blk, dK_tile += dSᵀ · Q_blk (strips of kStrip keys) and dQ_blk += dS · K_tile (strips of
       // kStrip rows), a chunk of dO, Q or K at a time (pv_block: the chunk stays in L1 while the strips pass).
       constexpr StripLayout kColumns = StripLayout::columns;
-      if (Dv > 0) pv_block<Tag, kColumns>(P_used, ld, do_chunks, R * kChunk, R, s.dv.data(), Dv, n, Dv);
-      pv_block<Tag, kColumns>(dP, ld, q_chunks, R * kChunk, R, s.dk.data(), D, n, D);
+      if (Dv > 0) pv_block<Tag, kColumns>(P_used, ld, do_chunks, R * kChunk, R, s.dv, Dv, n, Dv);
+      pv_block<Tag, kColumns>(dP, ld, q_chunks, R * kChunk, R, s.dk, D, n, D);
       pv_block<Tag>(dP, ld, k_chunks, tile_keys * kChunk, n, dq, D, R, D);
     } else {
       // The exact path: every term whose coefficient is 0 is skipped, so a NaN or ∞ in q, k, v or d_out reaches only
       // the gradients that depend on it (hidden_values.hpp).
       // Pᵀ and dSᵀ (n × R) for the skipping loops.
-      float* PT = s.pt.data();
-      float* dST = s.dst.data();
+      float* PT = s.pt;
+      float* dST = s.dst;
       for (Index r = 0; r < R; ++r) {
         for (Index j = 0; j < n; ++j) {
           PT[j * ldt + r] = P_used[r * ld + j];
           dST[j * ldt + r] = dP[r * ld + j];
         }
       }
-      if (Dv > 0) pv_skip_zero_weights(PT, ldt, do_rows, d_out_.stride(2), R, s.dv.data(), Dv, Dv, n);
-      pv_skip_zero_weights(dST, ldt, q_rows, q_.stride(2), R, s.dk.data(), D, D, n);
+      if (Dv > 0) pv_skip_zero_weights(PT, ldt, do_rows, d_out_.stride(2), R, s.dv, Dv, Dv, n);
+      pv_skip_zero_weights(dST, ldt, q_rows, q_.stride(2), R, s.dk, D, D, n);
       pv_skip_zero_weights(dP, ld, &k_(vb, h_kv, shape_.kv_rows[static_cast<std::size_t>(b)].begin + j0, 0),
                            k_.stride(2), n, dq, D, D, R);
     }

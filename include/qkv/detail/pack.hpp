@@ -140,12 +140,7 @@ class PackedKV {
 
   /// Borrows the calling thread's workspace (aligned_buffer.hpp) for the call, or where a call on this thread holds
   /// it already, uses buffers of its own.
-  PackedKV() : workspace_(Workspace::of_this_thread()), borrowed_(!workspace_.lent) {
-    if (borrowed_) workspace_.lent = true;
-  }
-  ~PackedKV() {
-    if (borrowed_) workspace_.lent = false;
-  }
+  PackedKV() = default;
   PackedKV(const PackedKV&) = delete;
   PackedKV& operator=(const PackedKV&) = delete;
 
@@ -204,11 +199,9 @@ class PackedKV {
   std::size_t index(Index b, Index h_kv) const noexcept { return static_cast<std::size_t>(b * Hkv_ + h_kv); }
 
   Index Hkv_ = 0;
-  Workspace& workspace_;
-  const bool borrowed_;
-  AlignedBuffer own_keys_, own_values_;  // used only where the workspace was held
-  AlignedBuffer& keys_ = borrowed_ ? workspace_.keys : own_keys_;
-  AlignedBuffer& values_ = borrowed_ ? workspace_.values : own_values_;
+  WorkspaceLoan loan_;
+  AlignedBuffer& keys_ = loan_.first();
+  AlignedBuffer& values_ = loan_.second();
   std::vector<Index> key_offset_, value_offset_;
   std::vector<float> key_abs_max_;
 };
