@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -169,6 +170,44 @@ TYPED_TEST(Simd, ArithmeticAndReductionsMatchScalar) {
   for (int n = 0; n < L; ++n) ramp[n] = float(n);
   reduce_sum4(Tag(), load(Tag(), a), load(Tag(), b), load(Tag(), c), load(Tag(), ramp), sums);
   for (int m = 0; m < 4; ++m) EXPECT_NEAR(sums[m], expected[m], 1e-5f * std::max(1.0f, std::fabs(expected[m]))) << m;
+}
+
+TYPED_TEST(Simd, SixteenLaneSumsAtOncePairAsFourAtATime) {
+  // reduce_sum16 (16-lane tags) must give reduce_sum4's bits for each vector: the decoding Q·Kᵀ uses one or the other
+  // by its row count. Values spanning many binades, so that a different pairing would change low bits; and small
+  // integers, whose sums are exact, against a plain loop.
+  using Tag = TypeParam;
+  constexpr int L = Tag::kLanes;
+  if constexpr (L != 16) {
+    GTEST_SKIP() << "reduce_sum16 exists for 16-lane tags";
+  } else {
+    using namespace qkv::simd;
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+    std::uniform_int_distribution<int> exponent(-20, 20), sign(0, 1), small(-50, 50);
+    for (int trial = 0; trial < 200; ++trial) {
+      const bool integers = trial % 4 == 0;
+      float x[16][L];
+      for (auto& row : x) {
+        for (float& e : row) {
+          e = integers ? float(small(rng)) : std::ldexp(mantissa(rng), exponent(rng)) * (sign(rng) ? -1.0f : 1.0f);
+        }
+      }
+      typename Tag::Vec v[16];
+      for (int m = 0; m < 16; ++m) v[m] = load(Tag(), x[m]);
+      float at_once[16], by_four[16];
+      reduce_sum16(Tag(), v, at_once);
+      for (int m = 0; m < 16; m += 4) reduce_sum4(Tag(), v[m], v[m + 1], v[m + 2], v[m + 3], by_four + m);
+      for (int m = 0; m < 16; ++m) {
+        EXPECT_EQ(std::memcmp(&at_once[m], &by_four[m], sizeof(float)), 0) << "trial " << trial << ", vector " << m;
+        if (integers) {
+          float exact = 0;
+          for (int n = 0; n < L; ++n) exact += x[m][n];
+          EXPECT_EQ(at_once[m], exact) << "trial " << trial << ", vector " << m;
+        }
+      }
+    }
+  }
 }
 
 TYPED_TEST(Simd, PartialLoadsAndStoresTouchOnlyTheirLanes) {

@@ -8,7 +8,7 @@
 //     either is NaN, b for equal operands);
 //   - reduce_sum and reduce_max pair lanes as GCC's _mm512_reduce_add_ps / _mm512_reduce_max_ps do (i + 8, i + 4, then
 //     lanes 0, 2 and 1, 3, then 0, 1; Clang's reduce_add pairs the same way); reduce_sum4 as avx512.hpp's (the two
-//     halves added, then the hadd tree);
+//     halves added, then the hadd tree), and reduce_sum16 as four of them (avx512.hpp's pairs the same way);
 //   - exp and exp2 by the polynomials and range handling of exp_constants.hpp, in scalar code with that fma, each step
 //     the lane's instruction of avx512.hpp: exp scales by 2^n as vscalefps does (std::ldexp: one rounding, denormal
 //     results), exp2 takes r from vreduceps and scales by vscalefps too, zeroed below −126; NaN → NaN.
@@ -178,6 +178,11 @@ QKV_EMULATED_OP void reduce_sum4(Emulated16Tag, Vec16 a, Vec16 b, Vec16 c, Vec16
   }
 }
 
+/// out[0..16) = the lane sums of v[0..16), paired as reduce_sum4 (avx512.hpp's reduce_sum16 keeps that pairing).
+QKV_EMULATED_OP void reduce_sum16(Emulated16Tag, const Vec16* v, float* out) noexcept {
+  for (int m = 0; m < 16; m += 4) reduce_sum4(Emulated16Tag(), v[m], v[m + 1], v[m + 2], v[m + 3], out + m);
+}
+
 /// e^x lane-wise, avx512.hpp's exp step by step: clamp, n = round(x·log2 e), r by Cody–Waite, the polynomial, then
 /// p·2^n as vscalefps computes it (std::ldexp: exact scaling, one rounding, denormal results); x < kMin gives 0,
 /// x > kMax gives +∞, NaN gives x.
@@ -258,6 +263,7 @@ using qkv_test::max;
 using qkv_test::mul;
 using qkv_test::reduce_max;
 using qkv_test::reduce_sum;
+using qkv_test::reduce_sum16;
 using qkv_test::reduce_sum4;
 using qkv_test::set1;
 using qkv_test::store;

@@ -78,6 +78,14 @@ class PrefetchCursor {
     void issue_next() noexcept {
       if (issued < lines) simd::prefetch(first + (issued++) * kElementsPerLine);
     }
+    /// Prefetches the next `count` lines, or as many as are left: a loop of `columns` vector columns issues
+    /// per_column(columns) at each, so that the run is spread over the whole loop.
+    void issue_next(Index count) noexcept {
+      for (const Index end = std::min(lines, issued + count); issued < end; ++issued) {
+        simd::prefetch(first + issued * kElementsPerLine);
+      }
+    }
+    Index per_column(Index columns) const noexcept { return columns > 0 ? (lines + columns - 1) / columns : lines; }
     /// Prefetches the lines the loop left (a loop of fewer columns than lines).
     void issue_rest() noexcept {
       for (; issued < lines; ++issued) simd::prefetch(first + issued * kElementsPerLine);
@@ -103,19 +111,27 @@ class PrefetchCursor {
   Index ld_ = 0, per_row_ = 1, row_ = 0, line_ = 0, left_ = 0, per_step_ = 0;
 };
 
-/// Keys per step of qk_in_place (its NK) and of pv_in_place: what a PrefetchCursor's steps count.
+/// Keys per step of qk_in_place (its NK) and of pv_in_place (its NV): what a PrefetchCursor's steps count.
 template <class Tag>
 inline constexpr Index kQkKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
-inline constexpr Index kPvKeysPerStep = 2;
+template <class Tag>
+inline constexpr Index kPvKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
+/// pv_in_place's NV for a grouped (token-major) task, whose V rows of one kv head lie a whole key row apart (4 KiB
+/// for 8 float heads of 128): four float rows in flight then share their address bits below 4 KiB with each other
+/// and with the acc_o stores, and measured on Zen 5 (Skv = 32768, 8 kv heads of 128, one thread) four keys per step
+/// ran 10 % slower than two for float V, while 16-bit V (rows half as far apart) ran 10 % faster with four.
+template <class Tag, class S>
+inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : kPvKeysPerStep<Tag>;
 
 /// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
 /// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
 /// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
-/// rows of q, accumulating vertically over d; the R × NK sums are then reduced four at a time by a transposing
-/// reduction (reduce_sum4), not one horizontal reduction per (row, key). D tails by masked loads, so nothing past
-/// a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half or Eigen::bfloat16) and
-/// converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given, hands each step of
-/// NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the FMAs.
+/// rows of q, accumulating vertically over d; the R × NK sums are then reduced together by a transposing reduction
+/// (reduce_sum16 for 4 × 4 on AVX-512, else reduce_sum4), not one horizontal reduction per (row, key). D tails by
+/// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
+/// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
+/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
+/// FMAs.
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
@@ -155,12 +171,17 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
       }
     }
     run.issue_rest();
-    // Sums in (row, key) order, four at a time; then each row's NK scores go to its row of s.
+    // Sums in (row, key) order, sixteen at a time where there are sixteen (4 rows × 4 keys on a 16-lane tag), else
+    // four at a time (the same pairing, so the same bits); then each row's NK scores go to its row of s.
     constexpr int kSums = (R * NK + 3) / 4 * 4;
     float sums[kSums];
-    QKV_UNROLL for (int a = 0; a < R * NK; a += 4) {
-      reduce_sum4(Tag(), acc[a], a + 1 < R * NK ? acc[a + 1] : zero(Tag()), a + 2 < R * NK ? acc[a + 2] : zero(Tag()),
-                  a + 3 < R * NK ? acc[a + 3] : zero(Tag()), sums + a);
+    if constexpr (R * NK == 16) {
+      reduce_sum16(Tag(), acc, sums);
+    } else {
+      QKV_UNROLL for (int a = 0; a < R * NK; a += 4) {
+        reduce_sum4(Tag(), acc[a], a + 1 < R * NK ? acc[a + 1] : zero(Tag()), a + 2 < R * NK ? acc[a + 2] : zero(Tag()),
+                    a + 3 < R * NK ? acc[a + 3] : zero(Tag()), sums + a);
+      }
     }
     QKV_UNROLL for (int r = 0; r < R; ++r) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) s[r * lds + j + c] = sums[r * NK + c];
@@ -183,72 +204,76 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
   }
 }
 
-/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
-/// P·V. V must stream in order at the prefetchers' pace (visiting a group of keys column slice by column slice, so
-/// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go two
-/// at a time: the 2·R weights sit in registers, and each acc_o vector (L1) is loaded and stored once per two keys
-/// instead of once per key. Per V line: 2 V loads, R acc_o loads and R stores, 2·R FMAs per vector. Dv tails by
-/// masked loads; an odd last key alone. V is stored as S and converted as it is loaded, like K in qk_in_place.
-/// `ahead`, if given, hands each two keys its run of lines, prefetched one per vector column between the FMAs.
-template <class Tag, int R, class S>
-inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
-                        PrefetchCursor<S>* ahead = nullptr) noexcept {
+/// One step of pv_in_place: acc_o[r] += Σ_n p[r][n] · v[n] over NV keys (rows of v, `ldv` apart), each acc_o vector
+/// loaded and stored once. The step's prefetch run, if any, issues a line per vector column.
+template <class Tag, int R, int NV, class S>
+inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index full, int tail,
+                    typename PrefetchCursor<S>::Run& run) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
+  Vec w[NV][R];
+  QKV_UNROLL for (int n = 0; n < NV; ++n) {
+    QKV_UNROLL for (int r = 0; r < R; ++r) w[n][r] = set1(Tag(), p[r * ldp + n]);
+  }
+  const Index per_column = run.per_column(full / L);
+  for (Index c = 0; c < full; c += L) {
+    run.issue_next(per_column);
+    Vec x[NV];
+    QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv(Tag(), v + n * ldv + c);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      Vec acc = load(Tag(), o + r * ldo + c);
+      QKV_UNROLL for (int n = 0; n < NV; ++n) acc = fmadd(w[n][r], x[n], acc);
+      store(Tag(), o + r * ldo + c, acc);
+    }
+  }
+  run.issue_rest();
+  if (tail > 0) {
+    Vec x[NV];
+    QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv_partial(Tag(), v + n * ldv + full, tail);
+    QKV_UNROLL for (int r = 0; r < R; ++r) {
+      float* out = o + r * ldo + full;
+      Vec acc = load_partial(Tag(), out, tail);
+      QKV_UNROLL for (int n = 0; n < NV; ++n) acc = fmadd(w[n][r], x[n], acc);
+      store_partial(Tag(), out, acc, tail);
+    }
+  }
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
+/// P·V. V must stream in order at the prefetchers' pace (visiting a group of keys column slice by column slice, so
+/// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go NV at a
+/// time (kPvKeysPerStep: 2 on AVX2, 4 on AVX-512, whose 32 registers hold the 4·R weights): the NV·R weights sit in
+/// registers, and each acc_o vector (L1) is loaded and stored once per NV keys instead of once per key. Per V line:
+/// NV V loads, R acc_o loads and R stores, NV·R FMAs per vector (at NV = 2 on AVX-512 the R stores, one 512-bit
+/// store a cycle, matched the FMAs' cycles, and P·V took 1.5 times Q·Kᵀ's time in a decode from L3). Each acc_o
+/// element takes its keys' FMAs in key order whatever NV is, so NV does not change the bits. Dv tails by masked
+/// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
+/// K in qk_in_place. `ahead`, if given, hands each step of NV keys its run of lines, prefetched one per vector column
+/// between the FMAs.
+template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
+inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
+                        PrefetchCursor<S>* ahead = nullptr) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
   static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
-  static_assert(kPvKeysPerStep == 2, "qkv: pv_in_place's step is two keys (p0, p1 below)");
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
   const Index full = Dv / L * L;
   const int tail = static_cast<int>(Dv - full);
   Index j = 0;
-  for (; j + 2 <= keys; j += 2) {
-    const S* v0 = v + j * ldv;
-    const S* v1 = v0 + ldv;
+  for (; j + NV <= keys; j += NV) {
     typename PrefetchCursor<S>::Run run;
     if (ahead != nullptr) run = ahead->next_run();
-    if (j + kDecodePrefetchKeys + 2 <= keys) {
-      prefetch_row(v0 + kDecodePrefetchKeys * ldv, Dv);
-      prefetch_row(v1 + kDecodePrefetchKeys * ldv, Dv);
+    if (j + kDecodePrefetchKeys + NV <= keys) {
+      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
     }
-    Vec p0[R], p1[R];
-    QKV_UNROLL for (int r = 0; r < R; ++r) {
-      p0[r] = set1(Tag(), p[r * ldp + j]);
-      p1[r] = set1(Tag(), p[r * ldp + j + 1]);
-    }
-    for (Index c = 0; c < full; c += L) {
-      run.issue_next();
-      const Vec a = load_kv(Tag(), v0 + c), b = load_kv(Tag(), v1 + c);
-      QKV_UNROLL for (int r = 0; r < R; ++r) {
-        store(Tag(), o + r * ldo + c, fmadd(p1[r], b, fmadd(p0[r], a, load(Tag(), o + r * ldo + c))));
-      }
-    }
-    run.issue_rest();
-    if (tail > 0) {
-      const Vec a = load_kv_partial(Tag(), v0 + full, tail), b = load_kv_partial(Tag(), v1 + full, tail);
-      QKV_UNROLL for (int r = 0; r < R; ++r) {
-        float* out = o + r * ldo + full;
-        store_partial(Tag(), out, fmadd(p1[r], b, fmadd(p0[r], a, load_partial(Tag(), out, tail))), tail);
-      }
-    }
+    pv_step<Tag, R, NV>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, run);
   }
-  if (j < keys) {
-    const S* v0 = v + j * ldv;
-    Vec p0[R];
-    QKV_UNROLL for (int r = 0; r < R; ++r) p0[r] = set1(Tag(), p[r * ldp + j]);
-    for (Index c = 0; c < full; c += L) {
-      const Vec a = load_kv(Tag(), v0 + c);
-      QKV_UNROLL for (int r = 0; r < R; ++r)
-          store(Tag(), o + r * ldo + c, fmadd(p0[r], a, load(Tag(), o + r * ldo + c)));
-    }
-    if (tail > 0) {
-      const Vec a = load_kv_partial(Tag(), v0 + full, tail);
-      QKV_UNROLL for (int r = 0; r < R; ++r) {
-        float* out = o + r * ldo + full;
-        store_partial(Tag(), out, fmadd(p0[r], a, load_partial(Tag(), out, tail)), tail);
-      }
-    }
+  typename PrefetchCursor<S>::Run none;
+  if constexpr (NV > 2) {
+    for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
   }
+  if (j < keys) pv_step<Tag, R, 1>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
 }
 
 }  // namespace QKV_PASS_NAME

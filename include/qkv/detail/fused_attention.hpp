@@ -312,8 +312,8 @@ class FusedAttention {
     const bool grouped = t.n_kv > 1;
     // A grouped task's block holds the same bytes of K as one head's block (kDecodeKeys / n_kv whole rows), so that
     // its scores (M × block) stay as small as one head's (kDecodeRows × kDecodeKeys at most).
-    const Index block = grouped ? std::max<Index>(kPanel, Tiles::kDecodeKeys / t.n_kv / kPanel * kPanel)
-                                : Tiles::kDecodeKeys;
+    const Index block =
+        grouped ? std::max<Index>(kPanel, Tiles::kDecodeKeys / t.n_kv / kPanel * kPanel) : Tiles::kDecodeKeys;
     const Index ldS = block, ldv = v_.stride(2), ldk = k_.stride(2);
     const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : M <= 4 ? block : Tiles::kDecodeSub;
     float* q_block = s.q_block.data();
@@ -328,7 +328,8 @@ class FusedAttention {
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kAhead = Tiles::kDecodeGroupPrefetchKeys;
-    constexpr Index kQkStep = kQkKeysPerStep<Tag>, kPvStep = kPvKeysPerStep;
+    constexpr Index kQkStep = kQkKeysPerStep<Tag>;
+    constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S>);
     const Index row_groups = (GR + 3) / 4;  // micro-kernel calls per kv head and sub-block
     // Rows of the sub-block of `keys` rows kAhead rows past key j (none past the task's keys).
     const auto ahead_rows = [&](Index j, Index keys) { return std::min(keys, range.end - (j + kAhead)); };
@@ -371,7 +372,8 @@ class FusedAttention {
       const S* v_tile = &v_(vb, t.h_kv, kv_row0 + j0, 0);
       bool finite = true;  // whether zero weights may meet V: only where no key is hidden or dropped, or V is finite
       if (index_mask || data_mask || dropout) {
-        for (Index hk = 0; hk < t.n_kv && finite; ++hk) finite = all_finite<Tag>(v_tile + hk * v_.stride(1), n, Dv, ldv);
+        for (Index hk = 0; hk < t.n_kv && finite; ++hk)
+          finite = all_finite<Tag>(v_tile + hk * v_.stride(1), n, Dv, ldv);
       }
       if (finite) {
         for (Index jb = 0; jb < n; jb += sub_keys) {
@@ -379,15 +381,20 @@ class FusedAttention {
           PrefetchCursor<S> v_ahead;
           if (grouped && ahead_rows(j0 + jb, keys) > 0) {
             v_ahead = PrefetchCursor<S>(v_tile + (jb + kAhead) * ldv, ldv, ahead_rows(j0 + jb, keys), v_span,
-                                        t.n_kv * row_groups * ((keys + kPvStep - 1) / kPvStep));
+                                        t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
             for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
               dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
                 constexpr int R = std::min(4, decltype(rows_constant)::value);
-                pv_in_place<Tag, R>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv,
-                                    grouped ? &v_ahead : nullptr);
+                if (grouped) {
+                  pv_in_place<Tag, R, S, kPvGroupedStep>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv,
+                                                         Dv, Dv, &v_ahead);
+                } else {
+                  pv_in_place<Tag, R, S>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv,
+                                         nullptr);
+                }
               });
             }
           }
@@ -395,8 +402,8 @@ class FusedAttention {
         }
       } else {
         for (Index hk = 0; hk < t.n_kv; ++hk) {
-          pv_skip_zero_weights(acc_s + hk * GR * ldS, ldS, v_tile + hk * v_.stride(1), ldv, n, acc_o + hk * GR * Dv,
-                               Dv, Dv, GR);
+          pv_skip_zero_weights(acc_s + hk * GR * ldS, ldS, v_tile + hk * v_.stride(1), ldv, n, acc_o + hk * GR * Dv, Dv,
+                               Dv, GR);
         }
       }
     }

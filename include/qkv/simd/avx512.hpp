@@ -89,6 +89,33 @@ inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 }
 
+/// Adjacent pairs within each 128-bit lane, as a 512-bit hadd: [x0 + x1, x2 + x3, y0 + y1, y2 + y3, x4 + x5, …].
+/// (A function, not a lambda: GCC does not carry the target region into a lambda's vector return.)
+inline __m512 pairs(Avx512Tag, __m512 x, __m512 y) noexcept {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+/// out[0..16) = the lane sums of v[0..16), each paired exactly as reduce_sum4 pairs it (so the same bits): h_i = lane
+/// i + lane i + 8, then ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)); computed for all sixteen at once by a
+/// transposing tree whose every level adds two vectors of partial sums (45 shuffles and adds, a permute and one
+/// store, where four reduce_sum4 take 4 × 20 operations). The decoding Q·Kᵀ reduces 4 rows × 4 keys this way.
+inline void reduce_sum16(Avx512Tag tag, const __m512* v, float* out) noexcept {
+  // Level 1: lanes i and i + 8 of two vectors, side by side: [h of v[2k] | h of v[2k + 1]].
+  __m512 h[8];
+  for (int k = 0; k < 8; ++k) {
+    h[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  }
+  // Levels 2 and 3: adjacent pairs within each 128-bit lane.
+  const __m512 t0 = pairs(tag, h[0], h[1]), t1 = pairs(tag, h[2], h[3]), t2 = pairs(tag, h[4], h[5]),
+               t3 = pairs(tag, h[6], h[7]);
+  const __m512 u0 = pairs(tag, t0, t1), u1 = pairs(tag, t2, t3);
+  // Level 4: the two 128-bit lanes of each vector's last pair; the sums land in the order 0 2 4 6 1 3 5 7 8 10 …
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
+}
+
 /// e^x lane-wise; see exp_constants.hpp. 2^n is applied with vscalefps, which also handles the range ends.
 inline __m512 exp(Avx512Tag, __m512 x) noexcept {
   namespace c = exp_constants;

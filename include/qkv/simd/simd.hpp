@@ -3,9 +3,9 @@
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
-// reduce_sum, reduce_sum4 (four lane sums at once), exp, exp2; load_kv / load_kv_partial (stored keys or values:
-// float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and prefetch / prefetch_row (no tag: hints, no
-// result).
+// reduce_sum, reduce_sum4 (four lane sums at once; reduce_sum16, sixteen, on 16-lane tags), exp, exp2; load_kv /
+// load_kv_partial (stored keys or values: float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and
+// prefetch / prefetch_row (no tag: hints, no result).
 // Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different
 // flags never share a definition.
 #pragma once
