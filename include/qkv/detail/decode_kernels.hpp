@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 
 #include "qkv/config.hpp"
 #include "qkv/detail/fused_tiles.hpp"
@@ -132,9 +133,9 @@ inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : 
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
 /// FMAs.
-template <class Tag, int R, class S>
-inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
-                        PrefetchCursor<S>* ahead = nullptr) noexcept {
+template <class Tag, int R, bool kPaced, class S>
+inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
+                     PrefetchCursor<S>* ahead) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
@@ -149,12 +150,12 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
     QKV_UNROLL for (int a = 0; a < R * NK; ++a) acc[a] = zero(Tag());
     const S* key = k + j * ldk;
     typename PrefetchCursor<S>::Run run;
-    if (ahead != nullptr) run = ahead->next_run();
+    if constexpr (kPaced) run = ahead->next_run();
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for (Index d = 0; d < d_full; d += L) {
-      run.issue_next();
+      if constexpr (kPaced) run.issue_next();
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv(Tag(), key + c * ldk + d);
       QKV_UNROLL for (int r = 0; r < R; ++r) {
@@ -170,7 +171,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
     }
-    run.issue_rest();
+    if constexpr (kPaced) run.issue_rest();
     // Sums in (row, key) order, sixteen at a time where there are sixteen (4 rows × 4 keys on a 16-lane tag), else
     // four at a time (the same pairing, so the same bits); then each row's NK scores go to its row of s.
     constexpr int kSums = (R * NK + 3) / 4 * 4;
@@ -204,9 +205,21 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
   }
 }
 
+/// (qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor: a head-major
+/// task has none, and its loop then keeps its pointers in registers.)
+template <class Tag, int R, class S>
+inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
+                        PrefetchCursor<S>* ahead = nullptr) noexcept {
+  if (ahead != nullptr) {
+    qk_steps<Tag, R, true>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+  } else {
+    qk_steps<Tag, R, false>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+  }
+}
+
 /// One step of pv_in_place: acc_o[r] += Σ_n p[r][n] · v[n] over NV keys (rows of v, `ldv` apart), each acc_o vector
 /// loaded and stored once. The step's prefetch run, if any, issues a line per vector column.
-template <class Tag, int R, int NV, class S>
+template <class Tag, int R, int NV, bool kPaced, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index full, int tail,
                     typename PrefetchCursor<S>::Run& run) noexcept {
   using namespace simd;
@@ -216,9 +229,9 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   QKV_UNROLL for (int n = 0; n < NV; ++n) {
     QKV_UNROLL for (int r = 0; r < R; ++r) w[n][r] = set1(Tag(), p[r * ldp + n]);
   }
-  const Index per_column = run.per_column(full / L);
+  const Index per_column = kPaced ? run.per_column(full / L) : 0;
   for (Index c = 0; c < full; c += L) {
-    run.issue_next(per_column);
+    if constexpr (kPaced) run.issue_next(per_column);
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv(Tag(), v + n * ldv + c);
     QKV_UNROLL for (int r = 0; r < R; ++r) {
@@ -227,7 +240,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
       store(Tag(), o + r * ldo + c, acc);
     }
   }
-  run.issue_rest();
+  if constexpr (kPaced) run.issue_rest();
   if (tail > 0) {
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv_partial(Tag(), v + n * ldv + full, tail);
@@ -261,19 +274,27 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
   const Index full = Dv / L * L;
   const int tail = static_cast<int>(Dv - full);
   Index j = 0;
-  for (; j + NV <= keys; j += NV) {
-    typename PrefetchCursor<S>::Run run;
-    if (ahead != nullptr) run = ahead->next_run();
-    if (j + kDecodePrefetchKeys + NV <= keys) {
-      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
+  const auto steps = [&](auto paced) {
+    for (; j + NV <= keys; j += NV) {
+      typename PrefetchCursor<S>::Run run;
+      if constexpr (decltype(paced)::value) run = ahead->next_run();
+      if (j + kDecodePrefetchKeys + NV <= keys) {
+        QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
+      }
+      pv_step<Tag, R, NV, decltype(paced)::value>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, run);
     }
-    pv_step<Tag, R, NV>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, run);
+  };
+  // The runs' bookkeeping only where there is a cursor: a head-major task has none.
+  if (ahead != nullptr) {
+    steps(std::true_type());
+  } else {
+    steps(std::false_type());
   }
   typename PrefetchCursor<S>::Run none;
   if constexpr (NV > 2) {
-    for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
+    for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2, false>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
   }
-  if (j < keys) pv_step<Tag, R, 1>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
+  if (j < keys) pv_step<Tag, R, 1, false>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
 }
 
 }  // namespace QKV_PASS_NAME
