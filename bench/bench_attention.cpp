@@ -9,8 +9,9 @@
 // path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
 // Quote ratios from one run (bench/README.md), never absolute times: the machines are shared. For ratios fit to
 // quote, take medians of interleaved rounds, each kernel beside its baseline in one process:
-//   bench_attention --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true \
-//     --benchmark_report_aggregates_only=true --benchmark_filter='FmaPeak|FusedPrefill/T:4096'   (for example)
+//   bench_attention --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true
+//     --benchmark_report_aggregates_only=true --benchmark_filter='FmaPeak|FusedPrefill/T:4096'   (for example,
+//     one command)
 // Memory: alloc_MiB is the sum of what one fused call allocates (operator new, counted by
 // tests/support/counting_allocator.hpp: an upper bound of its peak, as all but a few small vectors live until the call
 // returns), scores_MiB the T × T score matrix the naive baseline holds, inputs_MiB what q, k, v and out occupy.
@@ -348,7 +349,7 @@ void BM_FusedDecode(benchmark::State& state) {
     element_bytes = sizeof(S);
     const auto k = stored_as<S>(random_vector(std::size_t(Hkv * Skv * D), 2)),
                v = stored_as<S>(random_vector(std::size_t(Hkv * Skv * D), 3));
-    const auto view = [bshd](const auto* data, Index H, Index S_) {
+    const auto view = [&](const auto* data, Index H, Index S_) {
       return bshd ? qkv::view_bshd(data, 1, S_, H, D) : qkv::view_bhsd(data, 1, H, S_, D);
     };
     const auto call = [&] {
