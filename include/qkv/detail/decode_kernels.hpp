@@ -157,7 +157,10 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     for (Index d = 0; d < d_full; d += L) {
       if constexpr (kPaced) run.issue_next();
       Vec kv[NK];
-      QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv(Tag(), key + c * ldk + d);
+      QKV_UNROLL for (int c = 0; c < NK; ++c) {
+        kv[c] = load_kv(Tag(), key + c * ldk + d);
+        keep_in_register(Tag(), kv[c]);
+      }
       QKV_UNROLL for (int r = 0; r < R; ++r) {
         const Vec qv = load(Tag(), q + r * ldq + d);
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
@@ -233,7 +236,10 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   for (Index c = 0; c < full; c += L) {
     if constexpr (kPaced) run.issue_next(per_column);
     Vec x[NV];
-    QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv(Tag(), v + n * ldv + c);
+    QKV_UNROLL for (int n = 0; n < NV; ++n) {
+      x[n] = load_kv(Tag(), v + n * ldv + c);
+      keep_in_register(Tag(), x[n]);
+    }
     QKV_UNROLL for (int r = 0; r < R; ++r) {
       Vec acc = load(Tag(), o + r * ldo + c);
       QKV_UNROLL for (int n = 0; n < NV; ++n) acc = fmadd(w[n][r], x[n], acc);

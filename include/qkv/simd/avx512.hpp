@@ -89,6 +89,17 @@ inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 }
 
+/// Keeps v in a register for its uses that follow (an empty asm that claims to change it, so no later use can be a
+/// load folded into the instruction). g++ 12 folds the K vector of the decoding Q·Kᵀ step into each of its four FMAs
+/// (and V's into P·V's): four loads where one will do, above two 512-bit loads a cycle. clang++ loads it once anyway.
+inline void keep_in_register(Avx512Tag, __m512& v) noexcept {
+#if defined(__GNUC__) && !defined(__clang__)
+  __asm__("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
 /// Adjacent pairs within each 128-bit lane, as a 512-bit hadd: [x0 + x1, x2 + x3, y0 + y1, y2 + y3, x4 + x5, …].
 /// (A function, not a lambda: GCC does not carry the target region into a lambda's vector return.)
 inline __m512 pairs(Avx512Tag, __m512 x, __m512 y) noexcept {

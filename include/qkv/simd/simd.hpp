@@ -5,7 +5,7 @@
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
 // reduce_sum, reduce_sum4 (four lane sums at once; reduce_sum16, sixteen, on 16-lane tags), exp, exp2; load_kv /
 // load_kv_partial (stored keys or values: float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and
-// prefetch / prefetch_row (no tag: hints, no result).
+// keep_in_register (a codegen hint); prefetch / prefetch_row (no tag: hints, no result).
 // Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different
 // flags never share a definition.
 #pragma once
@@ -71,6 +71,11 @@ inline typename Tag::Vec load_kv_partial(Tag tag, const S* p, int n) noexcept {
     return load(tag, lanes);
   }
 }
+
+/// Keeps a loaded vector in a register for its uses that follow: a no-op, except on AVX-512 with g++ (avx512.hpp),
+/// which otherwise folds one load into every FMA that uses the vector.
+template <class Tag, class V>
+inline void keep_in_register(Tag, V&) noexcept {}
 
 /// The best tag the build's flags enable, for code compiled with those flags that calls the ops directly (the ops'
 /// tests, the benchmarks' FMA peak). The fused kernel does not use it: it runs the tag isa.hpp picks at run time.
