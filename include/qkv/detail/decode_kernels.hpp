@@ -33,8 +33,9 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// The cache lines of `rows` whole key rows of token-major K or V (`span` elements from each row's start, rows `ld`
 /// apart), in memory order, handed out a share at a time to the decoding micro-kernels (one `next_run` per step of
 /// keys, `flush` for what the steps left): a grouped decoding task (fused_attention.hpp) paces the next sub-block's
-/// prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4: 16 lines of float or 8 of 16-bit
-/// storage per step), and each step issues its lines one per vector column of its loop, between the FMAs. Issued in
+/// prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4 on AVX2: 16 lines of float or 8 of
+/// 16-bit storage per step; more on AVX-512, whose steps take more keys), and each step spreads its lines over the
+/// vector columns of its loop, between the FMAs. Issued in
 /// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
 /// tight loop, clang++'s float decode took 1.35 × as long (bench/README.md, "Paced prefetch in token-major decode" and
 /// "Prefetches between the FMAs"). Addresses are formed only for lines inside the rows. Complexity: O(1) per line;
@@ -221,7 +222,8 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 }
 
 /// One step of pv_in_place: acc_o[r] += Σ_n p[r][n] · v[n] over NV keys (rows of v, `ldv` apart), each acc_o vector
-/// loaded and stored once. The step's prefetch run, if any, issues a line per vector column.
+/// loaded and stored once. The step's prefetch run, if any, is spread evenly over the vector columns
+/// (Run::per_column lines at each).
 template <class Tag, int R, int NV, bool kPaced, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index full, int tail,
                     typename PrefetchCursor<S>::Run& run) noexcept {
@@ -268,8 +270,8 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
 /// store a cycle, matched the FMAs' cycles, and P·V took 1.5 times Q·Kᵀ's time in a decode from L3). Each acc_o
 /// element takes its keys' FMAs in key order whatever NV is, so NV does not change the bits. Dv tails by masked
 /// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
-/// K in qk_in_place. `ahead`, if given, hands each step of NV keys its run of lines, prefetched one per vector column
-/// between the FMAs.
+/// K in qk_in_place. A grouped task passes NV = kPvGroupedKeysPerStep. `ahead`, if given, hands each step of NV keys
+/// its run of lines, prefetched spread over the vector columns between the FMAs.
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {

@@ -148,8 +148,9 @@ class FusedBackward {
     // its next calls: allocated per thread and per call, the slices (12 MiB a thread at T = 4096, D = 128) came back
     // as fresh pages and were faulted in again by every call.
 #if defined(_OPENMP)
-    const int team = parallel ? omp_get_max_threads() : 1;
+    const int team = parallel ? static_cast<int>(std::min<Index>(omp_get_max_threads(), n_tasks)) : 1;
 #else
+    (void)parallel;
     const int team = 1;
 #endif
     const std::size_t slice = carve(nullptr, max_sq, max_skv, nullptr);
@@ -180,8 +181,8 @@ class FusedBackward {
   /// Floats per row of a Q, dO or K block packed by pack_values: its full chunks and its last one, whole vectors wide.
   static Index packed_width(Index n) noexcept { return FusedTiles<Tag>::chunk_floats(n); }
 
-  /// Lays one thread's scratch out from `base` (each array 64-byte aligned; the slice a whole number of 4 KiB pages,
-  /// so that threads never share a page) and returns the slice's size in floats. With `s` null it only counts.
+  /// Lays one thread's scratch out from `base` (each array 64-byte aligned, so that threads never share a cache line;
+  /// the slice a whole number of 4 KiB) and returns the slice's size in floats. With `s` null it only counts.
   std::size_t carve(float* base, Index max_sq, Index max_skv, BackwardScratch* s) const {
     const Index D = shape_.D, Dv = shape_.Dv, G = shape_.group, rows = G * max_sq;
     std::size_t used = 0;
