@@ -125,15 +125,8 @@ inline constexpr Index kPvKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
 template <class Tag, class S>
 inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : kPvKeysPerStep<Tag>;
 
-/// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
-/// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
-/// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
-/// rows of q, accumulating vertically over d; the R × NK sums are then reduced together by a transposing reduction
-/// (reduce_sum16 for 4 × 4 on AVX-512, else reduce_sum4), not one horizontal reduction per (row, key). D tails by
-/// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
-/// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
-/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
-/// FMAs.
+/// qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor (kPaced): a
+/// head-major task has none, and its loop then keeps its pointers in registers.
 template <class Tag, int R, bool kPaced, class S>
 inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                      PrefetchCursor<S>* ahead) noexcept {
@@ -209,8 +202,15 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
   }
 }
 
-/// (qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor: a head-major
-/// task has none, and its loop then keeps its pointers in registers.)
+/// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
+/// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
+/// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
+/// rows of q, accumulating vertically over d; the R × NK sums are then reduced together by a transposing reduction
+/// (reduce_sum16 for 4 × 4 on AVX-512, else reduce_sum4), not one horizontal reduction per (row, key). D tails by
+/// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
+/// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
+/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
+/// FMAs.
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {

@@ -90,8 +90,9 @@ inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float
 }
 
 /// Keeps v in a register for its uses that follow (an empty asm that claims to change it, so no later use can be a
-/// load folded into the instruction). g++ 12 folds the K vector of the decoding Q·Kᵀ step into each of its four FMAs
-/// (and V's into P·V's): four loads where one will do, above two 512-bit loads a cycle. clang++ loads it once anyway.
+/// load folded into the instruction). g++ 12 folded the K vector of the decoding Q·Kᵀ step into each of its four FMAs:
+/// four loads where one will do, above two 512-bit loads a cycle (P·V's V vectors get the same hint). clang++ loads
+/// each once anyway.
 inline void keep_in_register(Avx512Tag, __m512& v) noexcept {
 #if defined(__GNUC__) && !defined(__clang__)
   __asm__("" : "+v"(v));
@@ -102,7 +103,7 @@ inline void keep_in_register(Avx512Tag, __m512& v) noexcept {
 
 /// Adjacent pairs within each 128-bit lane, as a 512-bit hadd: [x0 + x1, x2 + x3, y0 + y1, y2 + y3, x4 + x5, …].
 /// (A function, not a lambda: GCC does not carry the target region into a lambda's vector return.)
-inline __m512 pairs(Avx512Tag, __m512 x, __m512 y) noexcept {
+inline __m512 hadd_pairs(Avx512Tag, __m512 x, __m512 y) noexcept {
   return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
 }
 
@@ -118,9 +119,9 @@ inline void reduce_sum16(Avx512Tag tag, const __m512* v, float* out) noexcept {
                          _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
   }
   // Levels 2 and 3: adjacent pairs within each 128-bit lane.
-  const __m512 t0 = pairs(tag, h[0], h[1]), t1 = pairs(tag, h[2], h[3]), t2 = pairs(tag, h[4], h[5]),
-               t3 = pairs(tag, h[6], h[7]);
-  const __m512 u0 = pairs(tag, t0, t1), u1 = pairs(tag, t2, t3);
+  const __m512 t0 = hadd_pairs(tag, h[0], h[1]), t1 = hadd_pairs(tag, h[2], h[3]), t2 = hadd_pairs(tag, h[4], h[5]),
+               t3 = hadd_pairs(tag, h[6], h[7]);
+  const __m512 u0 = hadd_pairs(tag, t0, t1), u1 = hadd_pairs(tag, t2, t3);
   // Level 4: the two 128-bit lanes of each vector's last pair; the sums land in the order 0 2 4 6 1 3 5 7 8 10 …
   const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
   const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
