@@ -302,9 +302,9 @@ class FusedAttention {
   /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, the
   /// row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks. A task of several kv heads
   /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
-  /// that K and V stream as contiguous memory, and prefetches the whole rows kDecodeGroupPrefetchKeys ahead from
-  /// inside the micro-kernels, a few lines per step between the FMAs (PrefetchCursor), paced over the sub-block's
-  /// arithmetic.
+  /// that K and V stream as contiguous memory, and prefetches the whole rows kDecodeGroupPrefetchKeys ahead, in the
+  /// order it reads them (a block's K, that block's V, the next block's K), from inside the micro-kernels, a few
+  /// lines per step between the FMAs (PrefetchCursor), paced over the sub-block's arithmetic.
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
@@ -331,8 +331,28 @@ class FusedAttention {
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
     constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S>);
     const Index row_groups = (GR + 3) / 4;  // micro-kernel calls per kv head and sub-block
-    // Rows of the sub-block of `keys` rows kAhead rows past key j (none past the task's keys).
-    const auto ahead_rows = [&](Index j, Index keys) { return std::min(keys, range.end - (j + kAhead)); };
+    // What a grouped task's sub-block at jb of its block (n keys from j0) prefetches while its `steps` micro-kernel
+    // steps run: the `keys` rows kAhead rows further on in the order the task reads them (its block's K, then the
+    // same block's V, then the next block's K), so that each pass's first sub-block is on its way before the pass
+    // begins, and nothing is fetched a whole pass before it is read.
+    const auto ahead = [&](bool v_pass, Index j0, Index n, Index jb, Index keys, Index steps) {
+      Index a = jb + kAhead;
+      if (a < n) {
+        const Index rows = std::min(keys, n - a);
+        return v_pass ? PrefetchCursor<S>(&v_(vb, t.h_kv, kv_row0 + j0 + a, 0), ldv, rows, v_span, steps)
+                      : PrefetchCursor<S>(&k_(vb, t.h_kv, kv_row0 + j0 + a, 0), ldk, rows, k_span, steps);
+      }
+      a -= n;
+      if (!v_pass) {
+        if (Dv == 0) return PrefetchCursor<S>();  // no V pass follows
+        const Index rows = std::min(keys, n - a);
+        if (rows <= 0) return PrefetchCursor<S>();
+        return PrefetchCursor<S>(&v_(vb, t.h_kv, kv_row0 + j0 + a, 0), ldv, rows, v_span, steps);
+      }
+      const Index next = j0 + block, rows = std::min(keys, std::min(block, range.end - next) - a);
+      if (rows <= 0) return PrefetchCursor<S>();
+      return PrefetchCursor<S>(&k_(vb, t.h_kv, kv_row0 + next + a, 0), ldk, rows, k_span, steps);
+    };
 
     for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += block) {
       const Index j1 = std::min(j0 + block, range.end);
@@ -345,10 +365,7 @@ class FusedAttention {
         const Index keys = std::min(sub_keys, n - jb);
         // A grouped task's prefetches of the rows kAhead ahead, paced over this sub-block's micro-kernel steps.
         PrefetchCursor<S> k_ahead;
-        if (grouped && ahead_rows(j0 + jb, keys) > 0) {
-          k_ahead = PrefetchCursor<S>(k_tile + (jb + kAhead) * ldk, ldk, ahead_rows(j0 + jb, keys), k_span,
-                                      t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
-        }
+        if (grouped) k_ahead = ahead(false, j0, n, jb, keys, t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
           for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
@@ -379,9 +396,9 @@ class FusedAttention {
         for (Index jb = 0; jb < n; jb += sub_keys) {
           const Index keys = std::min(sub_keys, n - jb);
           PrefetchCursor<S> v_ahead;
-          if (grouped && ahead_rows(j0 + jb, keys) > 0) {
-            v_ahead = PrefetchCursor<S>(v_tile + (jb + kAhead) * ldv, ldv, ahead_rows(j0 + jb, keys), v_span,
-                                        t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
+          if (grouped) {
+            v_ahead =
+                ahead(true, j0, n, jb, keys, t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
