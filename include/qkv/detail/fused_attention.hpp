@@ -302,9 +302,9 @@ class FusedAttention {
   /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, the
   /// row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks. A task of several kv heads
   /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
-  /// that K and V stream as contiguous memory, and prefetches the whole rows kDecodeGroupPrefetchKeys ahead, in the
-  /// order it reads them (a block's K, that block's V, the next block's K), from inside the micro-kernels, a few
-  /// lines per step between the FMAs (PrefetchCursor), paced over the sub-block's arithmetic.
+  /// that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
+  /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
+  /// between the FMAs (PrefetchCursor), paced over the sub-block's arithmetic.
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
@@ -327,31 +327,26 @@ class FusedAttention {
     const BlockRows block_rows{s.masks.data(), rows, t.i_begin};
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
-    constexpr Index kAhead = Tiles::kDecodeGroupPrefetchKeys;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
     constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S>);
     const Index row_groups = (GR + 3) / 4;  // micro-kernel calls per kv head and sub-block
-    // What a grouped task's sub-block at jb of its block (n keys from j0) prefetches while its `steps` micro-kernel
-    // steps run: the `keys` rows kAhead rows further on in the order the task reads them (its block's K, then the
-    // same block's V, then the next block's K), so that each pass's first sub-block is on its way before the pass
-    // begins, and nothing is fetched a whole pass before it is read.
-    const auto ahead = [&](bool v_pass, Index j0, Index n, Index jb, Index keys, Index steps) {
-      Index a = jb + kAhead;
-      if (a < n) {
-        const Index rows = std::min(keys, n - a);
-        return v_pass ? PrefetchCursor<S>(&v_(vb, t.h_kv, kv_row0 + j0 + a, 0), ldv, rows, v_span, steps)
-                      : PrefetchCursor<S>(&k_(vb, t.h_kv, kv_row0 + j0 + a, 0), ldk, rows, k_span, steps);
+    // What a grouped task prefetches while a sub-block's `steps` micro-kernel steps run: the next sub-block in the
+    // order the task reads rows, `end` being where the running sub-block of a pass over the block (n keys from j0)
+    // ends. That is the rest of the pass; after a block's K, the first rows of its V; after its V (or its K, where
+    // there is no V), the first rows of the next block's K. So each pass's first rows are on their way before it
+    // begins, and nothing is fetched a whole pass before it is read. Only rows of the task's key range are named.
+    const auto next_sub_block = [&](bool v_pass, Index j0, Index n, Index end, Index steps) {
+      if (end < n) {
+        const Index count = std::min(sub_keys, n - end);
+        return v_pass ? PrefetchCursor<S>(&v_(vb, t.h_kv, kv_row0 + j0 + end, 0), ldv, count, v_span, steps)
+                      : PrefetchCursor<S>(&k_(vb, t.h_kv, kv_row0 + j0 + end, 0), ldk, count, k_span, steps);
       }
-      a -= n;
-      if (!v_pass) {
-        if (Dv == 0) return PrefetchCursor<S>();  // no V pass follows
-        const Index rows = std::min(keys, n - a);
-        if (rows <= 0) return PrefetchCursor<S>();
-        return PrefetchCursor<S>(&v_(vb, t.h_kv, kv_row0 + j0 + a, 0), ldv, rows, v_span, steps);
+      if (!v_pass && Dv > 0) {
+        return PrefetchCursor<S>(&v_(vb, t.h_kv, kv_row0 + j0, 0), ldv, std::min(sub_keys, n), v_span, steps);
       }
-      const Index next = j0 + block, rows = std::min(keys, std::min(block, range.end - next) - a);
-      if (rows <= 0) return PrefetchCursor<S>();
-      return PrefetchCursor<S>(&k_(vb, t.h_kv, kv_row0 + next + a, 0), ldk, rows, k_span, steps);
+      const Index next = j0 + block, count = std::min(sub_keys, std::min(block, range.end - next));
+      if (count <= 0) return PrefetchCursor<S>();
+      return PrefetchCursor<S>(&k_(vb, t.h_kv, kv_row0 + next, 0), ldk, count, k_span, steps);
     };
 
     for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end; j0 += block) {
@@ -363,9 +358,11 @@ class FusedAttention {
       const S* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
       for (Index jb = 0; jb < n; jb += sub_keys) {
         const Index keys = std::min(sub_keys, n - jb);
-        // A grouped task's prefetches of the rows kAhead ahead, paced over this sub-block's micro-kernel steps.
+        // A grouped task's prefetches of the next sub-block, paced over this sub-block's micro-kernel steps.
         PrefetchCursor<S> k_ahead;
-        if (grouped) k_ahead = ahead(false, j0, n, jb, keys, t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
+        if (grouped) {
+          k_ahead = next_sub_block(false, j0, n, jb + keys, t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
+        }
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
           for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
@@ -397,8 +394,8 @@ class FusedAttention {
           const Index keys = std::min(sub_keys, n - jb);
           PrefetchCursor<S> v_ahead;
           if (grouped) {
-            v_ahead =
-                ahead(true, j0, n, jb, keys, t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
+            v_ahead = next_sub_block(true, j0, n, jb + keys,
+                                     t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
@@ -422,6 +419,7 @@ class FusedAttention {
           pv_skip_zero_weights(acc_s + hk * GR * ldS, ldS, v_tile + hk * v_.stride(1), ldv, n, acc_o + hk * GR * Dv, Dv,
                                Dv, GR);
         }
+        if (grouped) next_sub_block(true, j0, n, n, 1).flush();  // the next block's first K rows
       }
     }
     finish_rows(t, softmax);

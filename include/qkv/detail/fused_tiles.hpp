@@ -53,10 +53,11 @@ struct FusedTiles {
   /// loads). bench/README.md, "Decode rework", gives the measurement behind it.
   static constexpr Index kDecodePrefetchKeys = 32;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
-  /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB), and whole key rows prefetched ahead (paced
-  /// over the sub-block's micro-kernel steps: decode_kernels.hpp, PrefetchCursor).
+  /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
+  /// key rows, paced over its micro-kernel steps (decode_kernels.hpp, PrefetchCursor). Measured on Zen 5 with float
+  /// and f16 K/V, other sizes and look-aheads were slower or traded one storage type for the other (bench/README.md,
+  /// "What holds token-major float decode").
   static constexpr Index kDecodeGroupKeys = 16;
-  static constexpr Index kDecodeGroupPrefetchKeys = 16;
   /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
   /// share it: it is one task per chunk, not one per kv head.
   static constexpr Index kDecodeMinChunks = 4;
