@@ -92,7 +92,9 @@ inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float
 /// Keeps v in a register for its uses that follow (an empty asm that claims to change it, so no later use can be a
 /// load folded into the instruction). g++ 12 folded the K vector of the decoding Q·Kᵀ step into each of its four FMAs:
 /// four loads where one will do, above two 512-bit loads a cycle (P·V's V vectors get the same hint). clang++ loads
-/// each once anyway.
+/// each once anyway. Given an element of an array (decode_kernels.hpp's kv[c] and x[n]), g++ 12 keeps that array on
+/// the stack and stores each vector there as well (dead stores, four per P·V column); a plain local instead removed
+/// them and measured no faster (bench/README.md, "g++ decode from L3"), so the call sites stay as they are.
 inline void keep_in_register(Avx512Tag, __m512& v) noexcept {
 #if defined(__GNUC__) && !defined(__clang__)
   __asm__("" : "+v"(v));
