@@ -38,8 +38,10 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// vector columns of its loop, between the FMAs. Issued in
 /// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
 /// tight loop, clang++'s float decode took 1.35 × as long (bench/README.md, "Paced prefetch in token-major decode" and
-/// "Prefetches between the FMAs"). Addresses are formed only for lines inside the rows. Complexity: O(1) per line;
-/// throws nothing.
+/// "Prefetches between the FMAs"). Its loops of prefetches are not unrolled (QKV_NO_UNROLL): clang++'s eightfold
+/// unrolling of them, for runs of one to a few lines, cost token-major decode 2–9 % (bench/README.md, "clang++ no
+/// longer unrolls the prefetch loops"). Addresses are formed only for lines inside the rows. Complexity: O(1) per
+/// line; throws nothing.
 template <class S>
 class PrefetchCursor {
  public:
@@ -63,6 +65,7 @@ class PrefetchCursor {
   /// (the tests read the addresses this way).
   template <class Line>
   void flush(Line&& line) noexcept {
+    QKV_NO_UNROLL
     for (; left_ > 0; --left_) {
       line(base_ + row_ * ld_ + line_ * kElementsPerLine);
       if (++line_ == per_row_) {
@@ -83,6 +86,7 @@ class PrefetchCursor {
     /// Prefetches the next `count` lines, or as many as are left: a loop of `columns` vector columns issues
     /// per_column(columns) at each, so that the run is spread over the whole loop.
     void issue_next(Index count) noexcept {
+      QKV_NO_UNROLL
       for (const Index end = std::min(lines, issued + count); issued < end; ++issued) {
         simd::prefetch(first + issued * kElementsPerLine);
       }
@@ -90,6 +94,7 @@ class PrefetchCursor {
     Index per_column(Index columns) const noexcept { return columns > 0 ? (lines + columns - 1) / columns : lines; }
     /// Prefetches the lines the loop left (a loop of fewer columns than lines).
     void issue_rest() noexcept {
+      QKV_NO_UNROLL
       for (; issued < lines; ++issued) simd::prefetch(first + issued * kElementsPerLine);
     }
   };
