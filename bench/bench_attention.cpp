@@ -295,7 +295,7 @@ void BM_NaiveEigenBackward(benchmark::State& state) {
   const auto call = [&] {
     for (Index h = 0; h < H; ++h) {
       const std::size_t u = std::size_t(h);
-      M& out = outs[u];
+      M& out = outs[out_given ? u : 0];  // without out_given, one buffer for every head, as before
       softmax_scores(u);
       if (!out_given) out.noalias() = p * v[u];  // the forward's out, which the backward's D_i needs
       d_v.noalias() = p.transpose() * d_out[u];
