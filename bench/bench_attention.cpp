@@ -270,6 +270,7 @@ void BM_FusedBackward(benchmark::State& state) {
 // dP = dO·Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS·K·scale, dK = dSᵀ·Q·scale (T × T matrices held); args {T, D,
 // out_given}. With out_given = 0 it also computes the forward's O = P·V (a sixth product) for D_i; with 1 it is handed
 // O, made before the timed loop, as the fused backward is: the five products of the fused one, the fair comparison.
+// GFLOPS counts those five in both.
 void BM_NaiveEigenBackward(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = 8;
   const bool out_given = state.range(2) != 0;
