@@ -72,9 +72,17 @@ class OnlineSoftmax {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     constexpr int L = Tag::kLanes;
     const Index n_vec = first + (n - first) / L * L;
-    auto vmax = set1(Tag(), kNegInf);
-    for (Index jj = first; jj < n_vec; jj += L) vmax = max(vmax, load(Tag(), row + jj));
-    float tile_max = reduce_max(Tag(), vmax);
+    // Four running maxes, so that the loop is not one chain of dependent maxps (a max is exact in any order).
+    auto vmax0 = set1(Tag(), kNegInf), vmax1 = vmax0, vmax2 = vmax0, vmax3 = vmax0;
+    Index jj4 = first;
+    for (; jj4 + 4 * L <= n_vec; jj4 += 4 * L) {
+      vmax0 = max(vmax0, load(Tag(), row + jj4));
+      vmax1 = max(vmax1, load(Tag(), row + jj4 + L));
+      vmax2 = max(vmax2, load(Tag(), row + jj4 + 2 * L));
+      vmax3 = max(vmax3, load(Tag(), row + jj4 + 3 * L));
+    }
+    for (; jj4 < n_vec; jj4 += L) vmax0 = max(vmax0, load(Tag(), row + jj4));
+    float tile_max = reduce_max(Tag(), max(max(vmax0, vmax1), max(vmax2, vmax3)));
     for (Index jj = n_vec; jj < n; ++jj) tile_max = std::max(tile_max, row[jj]);
     const float old_max = row_max_[r];
     const float new_max = std::max(old_max, tile_max);

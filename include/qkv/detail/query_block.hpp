@@ -54,14 +54,24 @@ struct QueryScale {
 inline QueryScale load_query_block(const TensorView4<const float>& q, Index vb, Index h_first, Index G, Index row_first,
                                    Index rows, Index D, float factor, float scale, float base,
                                    float* q_block) noexcept {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   bool overflow = !std::isfinite(factor);
   for (Index g = 0; g < G && !overflow; ++g) {
     for (Index ii = 0; ii < rows; ++ii) {
       const float* src = &q(vb, h_first + g, row_first + ii, 0);
       float* dst = q_block + (g * rows + ii) * D;
       for (Index d = 0; d < D; ++d) dst[d] = src[d] * factor;
-      if (factor == 0.0f) continue;    // scale 0: every q·factor is 0 (or NaN), as q·k·0 is
-      for (Index d = 0; d < D; ++d) {  // a compare per element; the branch is taken only at the edges
+      if (factor == 0.0f) continue;  // scale 0: every q·factor is 0 (or NaN), as q·k·0 is
+      // A screen without branches, which the compiler vectorizes: does any nonzero q underflow, or a finite q
+      // overflow? Only a row where one does is taken again element by element (NaN is neither).
+      int edge = 0;
+      for (Index d = 0; d < D; ++d) {
+        const float a = std::fabs(src[d]), p = std::fabs(dst[d]);
+        edge |= int(p == 0.0f) & int(a != 0.0f);
+        edge |= int(p == kInf) & int(a != kInf);
+      }
+      if (edge == 0) continue;
+      for (Index d = 0; d < D; ++d) {
         if (dst[d] == 0.0f && src[d] != 0.0f) dst[d] = underflowed_product(src[d], factor);
         if (std::isinf(dst[d]) && std::isfinite(src[d])) overflow = true;
       }

@@ -17,6 +17,7 @@
 #define QKV_DETAIL_SCORE_TILE_HPP
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -72,17 +73,18 @@ bool finish_score_tile(float* s, Index lds, Index r_begin, Index n_rows, Index f
       }
     }
   } else if (index_mask) {
-    // Index rules only: query i sees its band and the global prefix (MaskGeometry::band, ::global).
+    // Index rules only: query i sees its band and the global prefix (MaskGeometry::band, ::global), two ranges of
+    // columns; the rest of [first, n) is filled with −∞ (on a causal diagonal strip, a few columns per row).
     const MaskGeometry& geometry = first_mask.geometry;
+    const auto column = [&](Index j) { return std::min(std::max(j - j0, first), n); };
     for (Index rr = 0; rr < n_rows; ++rr) {
       const Index i = block.i_begin + (r_begin + rr) % block.rows;
       const KeyRange band = geometry.band(i), global = geometry.global(i);
       float* row = s + rr * lds;
-      for (Index jj = first; jj < n; ++jj) {
-        const Index j = j0 + jj;
-        const bool visible = (j >= band.begin && j < band.end) || j < global.end;
-        row[jj] = visible ? row[jj] : kNegInf;
-      }
+      const Index hidden_from = column(global.end);  // [first, hidden_from) is the global prefix
+      const Index band_begin = column(band.begin), band_end = column(band.end);
+      std::fill(row + hidden_from, row + std::max(hidden_from, band_begin), kNegInf);
+      std::fill(row + std::max(hidden_from, band_end), row + n, kNegInf);
     }
   }
   return fits;
