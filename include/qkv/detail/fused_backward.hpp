@@ -376,7 +376,11 @@ class FusedBackward {
       for (; j + L <= e; j += L) {
         store(Tag(), p_row + j, exp(Tag(), sub(mul(load(Tag(), p_row + j), scale_vector), lse_vector)));
       }
-      for (; j < e; ++j) p_row[j] = std::exp(p_row[j] * scale - lse);
+      if (j < e) {  // the run's last e − j < L keys (a causal diagonal ends anywhere): a masked vector, no scalar exp
+        const int tail = static_cast<int>(e - j);
+        const auto x = sub(mul(load_partial(Tag(), p_row + j, tail), scale_vector), lse_vector);
+        store_partial(Tag(), p_row + j, exp(Tag(), x), tail);
+      }
     };
     const auto ds_run = [&](const float* p_row, float* ds_row, float d_i, Index a, Index e) {
       const auto scale_vector = set1(Tag(), scale), d_vector = set1(Tag(), d_i);
@@ -385,7 +389,12 @@ class FusedBackward {
         const auto p = load(Tag(), p_row + j);
         store(Tag(), ds_row + j, mul(mul(p, sub(load(Tag(), ds_row + j), d_vector)), scale_vector));
       }
-      for (; j < e; ++j) ds_row[j] = p_row[j] * (ds_row[j] - d_i) * scale;
+      if (j < e) {
+        const int tail = static_cast<int>(e - j);
+        const auto p = load_partial(Tag(), p_row + j, tail);
+        store_partial(Tag(), ds_row + j, mul(mul(p, sub(load_partial(Tag(), ds_row + j, tail), d_vector)), scale_vector),
+                      tail);
+      }
     };
     // The block's Q and dO chunks, packed on their own (pack_task): R·kChunk floats from one chunk to the next.
     const Index q_area = sq * packed_width(D), do_area = sq * packed_width(Dv);

@@ -82,8 +82,11 @@ class OnlineSoftmax {
       vmax3 = max(vmax3, load(Tag(), row + jj4 + 3 * L));
     }
     for (; jj4 < n_vec; jj4 += L) vmax0 = max(vmax0, load(Tag(), row + jj4));
-    float tile_max = reduce_max(Tag(), max(max(vmax0, vmax1), max(vmax2, vmax3)));
-    for (Index jj = n_vec; jj < n; ++jj) tile_max = std::max(tile_max, row[jj]);
+    // The last n − n_vec < L scores as one vector whose other lanes are −∞ (a causal diagonal strip ends anywhere):
+    // exp2(−∞) = 0 adds nothing, and no scalar exp runs.
+    const int tail = static_cast<int>(n - n_vec);
+    const auto v_tail = tail > 0 ? tail_vector(row + n_vec, tail) : set1(Tag(), kNegInf);
+    const float tile_max = reduce_max(Tag(), max(max(max(vmax0, vmax1), max(vmax2, vmax3)), v_tail));
     const float old_max = row_max_[r];
     const float new_max = std::max(old_max, tile_max);
     if (new_max == kNegInf) {
@@ -100,11 +103,12 @@ class OnlineSoftmax {
       store(Tag(), row + jj, e);
       vsum = add(vsum, e);
     }
-    float sum = reduce_sum(Tag(), vsum);
-    for (Index jj = n_vec; jj < n; ++jj) {
-      row[jj] = scalar_exp(row[jj] - new_max);
-      sum += row[jj];
+    if (tail > 0) {
+      const auto e = vector_exp(sub(v_tail, vm));
+      store_partial(Tag(), row + n_vec, e, tail);
+      vsum = add(vsum, e);
     }
+    const float sum = reduce_sum(Tag(), vsum);
     if (new_max > old_max && old_max != kNegInf) {
       const float alpha = scalar_exp(old_max - new_max);
       row_sum_[r] *= alpha;
@@ -148,6 +152,20 @@ class OnlineSoftmax {
   char* row_nan_;
   float* acc_o_;
   Index Dv_;
+
+  /// The first `tail` (1 ≤ tail < L) floats at p in a vector's first lanes, −∞ in the others: the masked load's
+  /// zeros plus a row of 0 then −∞ shifted by tail (x + 0 = x for every x but −0, whose exp is the same).
+  static Vec tail_vector(const float* p, int tail) noexcept {
+    using namespace simd;
+    constexpr int L = Tag::kLanes;
+    static constexpr struct Pad {
+      float lanes[2 * L];
+      constexpr Pad() : lanes() {
+        for (int i = L; i < 2 * L; ++i) lanes[i] = -std::numeric_limits<float>::infinity();
+      }
+    } kPad{};
+    return add(load_partial(Tag(), p, tail), load(Tag(), kPad.lanes + (L - tail)));
+  }
 };
 
 }  // namespace QKV_PASS_NAME
