@@ -81,8 +81,8 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// in L2. Every key tile reads the task's Q, dO and dQ again, so wider tiles read them less often: 128 keys took
 /// 0.89–0.94 of 64's time at D = 128 on the Zen 3 (bench/README.md, "Backward prefetch"; 32 and 256 were slower).
 /// Unmasked, the tile changes no bits (each key's dK and dV and each row's dQ sum their terms in the same order for
-/// any tile); masked, it can: the boundary tiles move, and a row's vector runs of visible keys are clipped at other
-/// tile edges, so other keys take the scalar tail.
+/// any tile); masked, a row's runs of visible keys are clipped at the tile edges, and each run's last keys are taken
+/// as a masked vector, whose lanes give the values whole vectors give.
 template <class Tag>
 struct BackwardTiles {
   static constexpr int kPanel = FusedTiles<Tag>::kPanel;
