@@ -282,7 +282,7 @@ class FusedAttention {
           }
           // Where some key may be hidden or dropped, zero weights meet V: safe only if the tile's values are finite.
           const bool may_hide = index_mask || data_mask || dropout;
-          if (may_hide && v_finite < 0) v_finite = all_finite<Tag>(v_tile, j1 - j0, Dv, ldv) ? 1 : 0;
+          if (may_hide && v_finite < 0) v_finite = packed_.values_finite(t.sequence, t.h_kv, j0, j1) ? 1 : 0;
           if (!may_hide || v_finite == 1) {
             pv_strip<Tag, kR>(s_strip + first, ldS, packed_v, skv, j0 + first, n - first, acc_o + r0 * Dv, Dv, Dv);
           } else {

@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -114,17 +116,32 @@ float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* 
 /// kChunk, is FusedTiles::chunk_floats(width) floats per key (whole vectors), its columns past Dv zero. The chunk
 /// of columns from c starts at packed + c·skv, and the whole takes skv · chunk_floats(Dv) floats (kChunk is a
 /// multiple of the vector). `row` is scratch of kChunk floats.
+/// If `nonfinite` is given (skv + 1 counts), nonfinite[j] becomes the number of keys before j whose value row holds
+/// ±∞ or NaN, so that whether keys [j0, j1) are all finite is nonfinite[j1] == nonfinite[j0] (the prefill's test
+/// before zero weights meet V, hidden_values.hpp), without reading V again; the copy's own loop finds them.
 template <class Tag, class S>
-void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float* row) noexcept {
+void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float* row,
+                 std::uint32_t* nonfinite = nullptr) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
+  if (nonfinite != nullptr) std::fill(nonfinite, nonfinite + skv + 1, 0u);
   for (Index c = 0; c < Dv; c += kChunk) {
     const Index width = std::min(kChunk, Dv - c), stride = FusedTiles<Tag>::chunk_floats(width);
     float* dst = packed + c * skv;
     for (Index j = 0; j < skv; ++j) {
       const float* src = row_as_float<Tag>(v + j * ld + c, width, row);
-      for (Index d = 0; d < width; ++d) dst[j * stride + d] = src[d];
+      std::uint32_t special = 0;  // an exponent of all ones: ±∞ or NaN (an OR over the row the compiler vectorizes)
+      for (Index d = 0; d < width; ++d) {
+        dst[j * stride + d] = src[d];
+        std::uint32_t bits;
+        std::memcpy(&bits, src + d, sizeof bits);
+        special |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+      }
       for (Index d = width; d < stride; ++d) dst[j * stride + d] = 0.0f;
+      if (nonfinite != nullptr) nonfinite[j + 1] |= special;
     }
+  }
+  if (nonfinite != nullptr) {
+    for (Index j = 0; j < skv; ++j) nonfinite[j + 1] += nonfinite[j];
   }
 }
 
@@ -152,6 +169,7 @@ class PackedKV {
     key_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     value_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     key_abs_max_.assign(static_cast<std::size_t>(n), 0.0f);
+    nonfinite_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     for (Index b = 0; b < shape.n_sequences; ++b) {
       const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
       const bool skip = decode[static_cast<std::size_t>(b)] != 0;
@@ -160,8 +178,10 @@ class PackedKV {
       for (Index h = 0; h < shape.Hkv; ++h) {
         key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + floats;
         value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + value_floats;
+        nonfinite_offset_[index(b, h) + 1] = nonfinite_offset_[index(b, h)] + (skip ? 0 : skv + 1);
       }
     }
+    nonfinite_.resize(static_cast<std::size_t>(std::max<Index>(1, nonfinite_offset_.back())));
     keys_.resize(static_cast<std::size_t>(std::max<Index>(1, key_offset_.back())));
     values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_offset_.back())));
 #if defined(_OPENMP)
@@ -184,7 +204,8 @@ class PackedKV {
                                                       keys_.data() + key_offset_[index(b, h_kv)], row.data());
         if (shape.Dv > 0) {
           pack_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
-                           values_.data() + value_offset_[index(b, h_kv)], row.data());
+                           values_.data() + value_offset_[index(b, h_kv)], row.data(),
+                           nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
         }
       }
     }
@@ -194,6 +215,12 @@ class PackedKV {
   const float* keys(Index b, Index h_kv) const noexcept { return keys_.data() + key_offset_[index(b, h_kv)]; }
   const float* values(Index b, Index h_kv) const noexcept { return values_.data() + value_offset_[index(b, h_kv)]; }
   float key_abs_max(Index b, Index h_kv) const noexcept { return key_abs_max_[index(b, h_kv)]; }
+  /// Whether the values of keys [j0, j1) of sequence b's kv head h_kv (0 ≤ j0 ≤ j1 ≤ its key count, Dv > 0) are all
+  /// finite: all_finite over those rows of V, answered from the counts pack_values kept. O(1).
+  bool values_finite(Index b, Index h_kv, Index j0, Index j1) const noexcept {
+    const std::uint32_t* counts = nonfinite_.data() + nonfinite_offset_[index(b, h_kv)];
+    return counts[j1] == counts[j0];
+  }
 
  private:
   std::size_t index(Index b, Index h_kv) const noexcept { return static_cast<std::size_t>(b * Hkv_ + h_kv); }
@@ -202,8 +229,9 @@ class PackedKV {
   WorkspaceLoan loan_;
   AlignedBuffer& keys_ = loan_.first();
   AlignedBuffer& values_ = loan_.second();
-  std::vector<Index> key_offset_, value_offset_;
+  std::vector<Index> key_offset_, value_offset_, nonfinite_offset_;
   std::vector<float> key_abs_max_;
+  std::vector<std::uint32_t> nonfinite_;  ///< per (sequence, kv head): skv + 1 counts of non-finite value rows
 };
 
 }  // namespace QKV_PASS_NAME
