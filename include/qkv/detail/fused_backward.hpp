@@ -82,7 +82,7 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// 0.89–0.94 of 64's time at D = 128 on the Zen 3 (bench/README.md, "Backward prefetch"; 32 and 256 were slower).
 /// Unmasked, the tile changes no bits (each key's dK and dV and each row's dQ sum their terms in the same order for
 /// any tile); masked, a row's runs of visible keys are clipped at the tile edges, and each run's last keys are taken
-/// as a masked vector, whose lanes give the values whole vectors give.
+/// as a masked vector, whose lanes give the values whole vectors give: each key's P and dS do not depend on the tile.
 template <class Tag>
 struct BackwardTiles {
   static constexpr int kPanel = FusedTiles<Tag>::kPanel;
@@ -392,8 +392,8 @@ class FusedBackward {
       if (j < e) {
         const int tail = static_cast<int>(e - j);
         const auto p = load_partial(Tag(), p_row + j, tail);
-        store_partial(Tag(), ds_row + j, mul(mul(p, sub(load_partial(Tag(), ds_row + j, tail), d_vector)), scale_vector),
-                      tail);
+        store_partial(Tag(), ds_row + j,
+                      mul(mul(p, sub(load_partial(Tag(), ds_row + j, tail), d_vector)), scale_vector), tail);
       }
     };
     // The block's Q and dO chunks, packed on their own (pack_task): R·kChunk floats from one chunk to the next.

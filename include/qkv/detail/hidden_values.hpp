@@ -1,8 +1,9 @@
 // qkv/detail/hidden_values.hpp — P·V where a hidden key's value may hold NaN or ∞.
 //
 // The fused kernel multiplies a hidden key's weight, exactly 0, by its value only where the tile's values are all
-// finite (all_finite); otherwise it skips the zero weights (pv_skip_zero_weights), so a NaN or ∞ stored in a hidden
-// slot never reaches the output (docs/design.md: select, never multiply by zero).
+// finite (all_finite; the prefill asks PackedKV::values_finite, counts kept while packing V); otherwise it skips the
+// zero weights (pv_skip_zero_weights), so a NaN or ∞ stored in a hidden slot never reaches the output (docs/design.md:
+// select, never multiply by zero).
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).

@@ -65,8 +65,9 @@ class OnlineSoftmax {
   float* acc_o(Index r) const noexcept { return acc_o_ + r * Dv_; }
 
   /// Turns the scores row[first, n) of row r (hidden keys −∞) into weights exp(s − row_max) in place and adds them
-  /// to row_sum; rescales row_sum and acc_o by exp(old max − new max) when the max rose. While the row has seen no
-  /// visible key, its weights are 0 and a NaN among them is remembered (max would lose it).
+  /// to row_sum (the vector exp throughout: the last (n − first) mod L scores as one masked vector, tail_vector);
+  /// rescales row_sum and acc_o by exp(old max − new max) when the max rose. While the row has seen no visible key,
+  /// its weights are 0 and a NaN among them is remembered (max would lose it).
   void update(Index r, float* row, Index first, Index n) noexcept {
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -74,16 +75,16 @@ class OnlineSoftmax {
     const Index n_vec = first + (n - first) / L * L;
     // Four running maxes, so that the loop is not one chain of dependent maxps (a max is exact in any order).
     auto vmax0 = set1(Tag(), kNegInf), vmax1 = vmax0, vmax2 = vmax0, vmax3 = vmax0;
-    Index jj4 = first;
-    for (; jj4 + 4 * L <= n_vec; jj4 += 4 * L) {
-      vmax0 = max(vmax0, load(Tag(), row + jj4));
-      vmax1 = max(vmax1, load(Tag(), row + jj4 + L));
-      vmax2 = max(vmax2, load(Tag(), row + jj4 + 2 * L));
-      vmax3 = max(vmax3, load(Tag(), row + jj4 + 3 * L));
+    Index j = first;
+    for (; j + 4 * L <= n_vec; j += 4 * L) {
+      vmax0 = max(vmax0, load(Tag(), row + j));
+      vmax1 = max(vmax1, load(Tag(), row + j + L));
+      vmax2 = max(vmax2, load(Tag(), row + j + 2 * L));
+      vmax3 = max(vmax3, load(Tag(), row + j + 3 * L));
     }
-    for (; jj4 < n_vec; jj4 += L) vmax0 = max(vmax0, load(Tag(), row + jj4));
+    for (; j < n_vec; j += L) vmax0 = max(vmax0, load(Tag(), row + j));
     // The last n − n_vec < L scores as one vector whose other lanes are −∞ (a causal diagonal strip ends anywhere):
-    // exp2(−∞) = 0 adds nothing, and no scalar exp runs.
+    // their exp is 0 in either base and adds nothing, and no scalar exp runs.
     const int tail = static_cast<int>(n - n_vec);
     const auto v_tail = tail > 0 ? tail_vector(row + n_vec, tail) : set1(Tag(), kNegInf);
     const float tile_max = reduce_max(Tag(), max(max(max(vmax0, vmax1), max(vmax2, vmax3)), v_tail));

@@ -218,6 +218,7 @@ class PackedKV {
   /// Whether the values of keys [j0, j1) of sequence b's kv head h_kv (0 ≤ j0 ≤ j1 ≤ its key count, Dv > 0) are all
   /// finite: all_finite over those rows of V, answered from the counts pack_values kept. O(1).
   bool values_finite(Index b, Index h_kv, Index j0, Index j1) const noexcept {
+    QKV_ASSERT(0 <= j0 && j0 <= j1 && j1 < nonfinite_offset_[index(b, h_kv) + 1] - nonfinite_offset_[index(b, h_kv)]);
     const std::uint32_t* counts = nonfinite_.data() + nonfinite_offset_[index(b, h_kv)];
     return counts[j1] == counts[j0];
   }

@@ -67,8 +67,8 @@ inline QueryScale load_query_block(const TensorView4<const float>& q, Index vb, 
       int edge = 0;
       for (Index d = 0; d < D; ++d) {
         const float a = std::fabs(src[d]), p = std::fabs(dst[d]);
-        edge |= int(p == 0.0f) & int(a != 0.0f);
-        edge |= int(p == kInf) & int(a != kInf);
+        edge |= static_cast<int>(p == 0.0f) & static_cast<int>(a != 0.0f);
+        edge |= static_cast<int>(p == kInf) & static_cast<int>(a != kInf);
       }
       if (edge == 0) continue;
       for (Index d = 0; d < D; ++d) {
