@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -31,6 +30,7 @@
 #include "qkv/detail/aligned_buffer.hpp"
 #include "qkv/detail/attention_shape.hpp"
 #include "qkv/detail/fused_tiles.hpp"
+#include "qkv/detail/hidden_values.hpp"
 #include "qkv/detail/query_block.hpp"
 #include "qkv/detail/threads.hpp"
 #include "qkv/simd/simd.hpp"
@@ -118,26 +118,31 @@ float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* 
 /// multiple of the vector). `row` is scratch of kChunk floats.
 /// If `nonfinite` is given (skv + 1 counts), nonfinite[j] becomes the number of keys before j whose value row holds
 /// ±∞ or NaN, so that whether keys [j0, j1) are all finite is nonfinite[j1] == nonfinite[j0] (the prefill's test
-/// before zero weights meet V, hidden_values.hpp), without reading V again; the copy's own loop finds them.
+/// before zero weights meet V, hidden_values.hpp), without reading V again later: all_finite runs on each group of
+/// 64 rows just copied (the stored values, 16-bit ones converted as they are read).
 template <class Tag, class S>
 void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float* row,
                  std::uint32_t* nonfinite = nullptr) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
+  constexpr Index kCheckKeys = 64;  // keys per finiteness check
   if (nonfinite != nullptr) std::fill(nonfinite, nonfinite + skv + 1, 0u);
   for (Index c = 0; c < Dv; c += kChunk) {
     const Index width = std::min(kChunk, Dv - c), stride = FusedTiles<Tag>::chunk_floats(width);
     float* dst = packed + c * skv;
     for (Index j = 0; j < skv; ++j) {
       const float* src = row_as_float<Tag>(v + j * ld + c, width, row);
-      std::uint32_t special = 0;  // an exponent of all ones: ±∞ or NaN (an OR over the row the compiler vectorizes)
-      for (Index d = 0; d < width; ++d) {
-        dst[j * stride + d] = src[d];
-        std::uint32_t bits;
-        std::memcpy(&bits, src + d, sizeof bits);
-        special |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-      }
+      for (Index d = 0; d < width; ++d) dst[j * stride + d] = src[d];
       for (Index d = width; d < stride; ++d) dst[j * stride + d] = 0.0f;
-      if (nonfinite != nullptr) nonfinite[j + 1] |= special;
+      // The last kCheckKeys rows just copied, still in cache, checked at once; a group that is not all finite, key
+      // by key (rare).
+      if (nonfinite != nullptr && ((j + 1) % kCheckKeys == 0 || j + 1 == skv)) {
+        const Index g0 = j / kCheckKeys * kCheckKeys;
+        if (!all_finite<Tag>(v + g0 * ld + c, j + 1 - g0, width, ld)) {
+          for (Index g = g0; g <= j; ++g) {
+            if (!all_finite<Tag>(v + g * ld + c, 1, width, ld)) nonfinite[g + 1] = 1;
+          }
+        }
+      }
     }
   }
   if (nonfinite != nullptr) {
