@@ -161,7 +161,8 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
         keep_in_register(Tag(), kv[c]);
       }
       QKV_UNROLL for (int r = 0; r < R; ++r) {
-        const Vec qv = load(Tag(), q + r * ldq + d);
+        Vec qv = load(Tag(), q + r * ldq + d);
+        keep_in_register(Tag(), qv);
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
     }

@@ -49,9 +49,12 @@ struct FusedTiles {
   static constexpr Index kDecodeRows = 16;          ///< a sequence with Sq·G ≤ this reads K in place (no packing)
   static constexpr Index kDecodeKeys = 1024;        ///< keys per decoding block: all of its K, then all of its V
   static constexpr Index kDecodeSub = 64;           ///< keys per row-group pass when a decoding block has > 4 rows
-  /// Keys ahead that the decoding kernels prefetch (whole rows; 32 rows of D = 128 floats are 16 KiB ahead of the
-  /// loads). bench/README.md, "Decode rework", gives the measurement behind it.
-  static constexpr Index kDecodePrefetchKeys = 32;
+  /// Keys ahead that the decoding kernels prefetch (whole rows; 16 rows of D = 128 floats are 8 KiB ahead of the
+  /// loads). Without it decode from DRAM took 1.4–1.9 times as long on Zen 5; 16 against the 32 chosen on a loaded
+  /// Zen 3 ("Decode rework") took head-major float decode 0.89 of its time with g++, 0.985 with clang++, 0.89 with
+  /// the AVX2 build, and no layout or storage slower; 8, 24 and 64 were slower than 16 (bench/README.md, "2026-12-03,
+  /// sixteenth session").
+  static constexpr Index kDecodePrefetchKeys = 16;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
   /// key rows, paced over its micro-kernel steps (decode_kernels.hpp, PrefetchCursor). Measured on Zen 5 with float

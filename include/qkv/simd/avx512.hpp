@@ -91,7 +91,8 @@ inline void reduce_sum4(Avx512Tag, __m512 a, __m512 b, __m512 c, __m512 d, float
 
 /// Keeps v in a register for its uses that follow (an empty asm that claims to change it, so no later use can be a
 /// load folded into the instruction). g++ 12 folded the K vector of the decoding Q·Kᵀ step into each of its four FMAs:
-/// four loads where one will do, above two 512-bit loads a cycle (P·V's V vectors get the same hint). clang++ loads
+/// four loads where one will do, above two 512-bit loads a cycle (P·V's V vectors and Q·Kᵀ's q vectors, folded into
+/// four FMAs each as well, get the same hint; the q hint took g++'s head-major decode 0.983 of its time). clang++ loads
 /// each once anyway. Given an element of an array (decode_kernels.hpp's kv[c] and x[n]), g++ 12 keeps that array on
 /// the stack and stores each vector there as well (dead stores, four per P·V column); a plain local instead removed
 /// them and measured no faster (bench/README.md, "g++ decode from L3"), so the call sites stay as they are.
