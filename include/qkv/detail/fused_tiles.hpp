@@ -50,10 +50,10 @@ struct FusedTiles {
   static constexpr Index kDecodeKeys = 1024;        ///< keys per decoding block: all of its K, then all of its V
   static constexpr Index kDecodeSub = 64;           ///< keys per row-group pass when a decoding block has > 4 rows
   /// Keys ahead that the decoding kernels prefetch (whole rows; 16 rows of D = 128 floats are 8 KiB ahead of the
-  /// loads). Without it decode from DRAM took 1.4–1.9 times as long on Zen 5; 16 against the 32 chosen on a loaded
-  /// Zen 3 ("Decode rework") took head-major float decode 0.89 of its time with g++, 0.985 with clang++, 0.89 with
-  /// the AVX2 build, and no layout or storage slower; 8, 24 and 64 were slower than 16 (bench/README.md, "2026-12-03,
-  /// sixteenth session").
+  /// loads). Without it, decode from DRAM took 1.4–1.9 times as long on Zen 5. Against 32 rows, 16 took g++'s
+  /// head-major float decode from DRAM 0.88 of its time (8 rows 0.97, 24 0.95, 64 1.00) and clang++'s AVX2 build's
+  /// 0.89; clang++'s AVX-512 build 1.00–1.03 from DRAM (8 to 24 rows within 2 % of each other, 64 slower) and 0.92
+  /// from L3 (bench/README.md, "2026-12-03, sixteenth session" and "Decode: four keys per P·V step").
   static constexpr Index kDecodePrefetchKeys = 16;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
