@@ -7,10 +7,6 @@
 #include <cstddef>
 #include <new>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "qkv/config.hpp"
 
 namespace qkv {
@@ -20,15 +16,14 @@ inline namespace QKV_ISA_NAME {
 /// A 64-byte aligned float buffer, allocated once and reused (no allocation inside the kernel loops). `resize` only
 /// grows it and keeps nothing: the contents after a resize are undefined.
 ///
-/// A buffer of kHugeBytes (4 MiB) or more (the packed K and V of a prefill) is aligned to 2 MiB and, on Linux,
-/// advised into transparent huge pages (MADV_HUGEPAGE; a hint, with no effect where THP is off). Otherwise its first
-/// touch faults once per 4 KiB page whenever glibc's malloc hands out fresh pages, which it does for every allocation
-/// of 32 MiB or more and, depending on what the process freed before, for smaller ones too. Measured on a 2-core Zen 5
-/// VM (bench/README.md, "2026-12-02, ninth session"): touching 64 MiB fresh took 188 ms in 4 KiB pages and 4 ms in
-/// huge pages; bench_attention's one-thread prefill at T = 1024, D = 128 (packed K and V: two buffers of exactly
-/// 4 MiB) ran at 117-120 GFLOP/s with the threshold at 32 MiB and 166-168 at 4 MiB. Smaller buffers (D = 64 at that
-/// T: 2 MiB each) are left to malloc. Where THP's defrag setting is `madvise`, the first fault of an advised buffer
-/// may compact memory synchronously (a latency spike on a fragmented machine).
+/// A buffer of kHugeBytes (4 MiB) or more (the packed K and V of a prefill, a backward's scratch) is aligned to 2 MiB,
+/// so that where transparent huge pages are `always` the system may back it with them; qkv does not ask for them
+/// (MADV_HUGEPAGE) where THP is `madvise`. It did, while these buffers were allocated afresh for every call: faulting
+/// 64 MiB in 4 KiB pages took 188 ms on a 2-core Zen 5 VM and 4 ms in huge pages (bench/README.md, "2026-12-02, ninth
+/// session"). The large buffers now live in the thread's Workspace and fault once per thread, and on that VM the
+/// advice cost every later call: after the kernel touched its huge pages, the first touch of each of the caller's
+/// 4 KiB pages took microseconds (80 MiB of inputs read in 17-75 ms instead of 3.3 ms), 12 % of a one-thread
+/// backward at T = 4096, D = 128 (bench/README.md, "2026-12-03, seventeenth session").
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -42,9 +37,6 @@ class AlignedBuffer {
     const std::size_t bytes = std::max<std::size_t>(n, 1) * sizeof(float);
     alignment_ = bytes >= kHugeBytes ? kHugePage : 64;
     data_ = static_cast<float*>(::operator new(bytes, std::align_val_t(alignment_)));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (alignment_ == kHugePage) (void)::madvise(data_, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
-#endif
     size_ = n;
   }
   float* data() const noexcept { return data_; }
