@@ -17,13 +17,14 @@ inline namespace QKV_ISA_NAME {
 /// grows it and keeps nothing: the contents after a resize are undefined.
 ///
 /// A buffer of kHugeBytes (4 MiB) or more (the packed K and V of a prefill, a backward's scratch) is aligned to 2 MiB,
-/// so that where transparent huge pages are `always` the system may back it with them; qkv does not ask for them
-/// (MADV_HUGEPAGE) where THP is `madvise`. It did, while these buffers were allocated afresh for every call: faulting
-/// 64 MiB in 4 KiB pages took 188 ms on a 2-core Zen 5 VM and 4 ms in huge pages (bench/README.md, "2026-12-02, ninth
-/// session"). The large buffers now live in the thread's Workspace and fault once per thread, and on that VM the
-/// advice cost every later call: after the kernel touched its huge pages, the first touch of each of the caller's
-/// 4 KiB pages took microseconds (80 MiB of inputs read in 17-75 ms instead of 3.3 ms), 12 % of a one-thread
-/// backward at T = 4096, D = 128 (bench/README.md, "2026-12-03, seventeenth session").
+/// so that where transparent huge pages are `always` the system may back it with them. qkv does not ask for them
+/// (MADV_HUGEPAGE), so where THP is `madvise` the buffer gets 4 KiB pages. It did ask while these buffers were
+/// allocated afresh for every call: faulting 64 MiB in 4 KiB pages took 188 ms on a 2-core Zen 5 VM and 4 ms in huge
+/// pages (bench/README.md, "2026-12-02, ninth session"). The large buffers now live in the thread's Workspace and
+/// fault once per thread, and on that VM the advice cost every later call: after a process touched 16 MiB or more of
+/// advised pages, the first touch of each of the caller's 4 KiB pages took microseconds (80 MiB of inputs read in
+/// 17-104 ms instead of 3.3 ms); a one-thread backward at T = 4096, D = 128 ran at 0.69-0.76 of the FMA loop with the
+/// advice and 0.86-0.88 without (bench/README.md, "2026-12-03, seventeenth session").
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;

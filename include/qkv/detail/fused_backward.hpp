@@ -241,11 +241,12 @@ class FusedBackward {
     const Index skv = shape_.key_counts[seq];
     // Each row of d_k and d_v is written once: a key tile that some block reaches from its dK and dV, every other key
     // (padding, keys no query sees) with zeros, as the tiles go by. Writing all the rows zero first and the tiles'
-    // rows again later touched every page of d_k and d_v twice, far apart: about 3 % of the call at T = 4096,
-    // D = 128 where a page's first touch is dear (bench/README.md, "2026-12-03, seventeenth session").
-    Index zeroed = 0;  // rows [0, zeroed) of the sequence's keys are written
+    // rows again later touched every page of d_k and d_v twice, far apart (the zero fill: 14-49 ms of a ~1 s call at
+    // T = 4096, D = 128 on a VM where a page's first touch was dear; bench/README.md, "2026-12-03, seventeenth
+    // session").
+    Index written = 0;  // rows [0, written) of the sequence's keys are written
     const auto write_rows = [&](Index j0, Index n, const float* dk, const float* dv) {
-      for (Index j = zeroed; j < j0; ++j) {
+      for (Index j = written; j < j0; ++j) {
         std::fill_n(&d_k_(vb, h_kv, kv_row0 + j, 0), D, 0.0f);
         if (Dv > 0) std::fill_n(&d_v_(vb, h_kv, kv_row0 + j, 0), Dv, 0.0f);
       }
@@ -253,7 +254,7 @@ class FusedBackward {
         std::copy_n(dk + j * D, D, &d_k_(vb, h_kv, kv_row0 + j0 + j, 0));
         if (Dv > 0) std::copy_n(dv + j * Dv, Dv, &d_v_(vb, h_kv, kv_row0 + j0 + j, 0));
       }
-      zeroed = j0 + n;
+      written = j0 + n;
     };
     if (sq == 0) {
       write_rows(kv_rows, 0, nullptr, nullptr);
