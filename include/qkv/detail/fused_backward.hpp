@@ -245,19 +245,23 @@ class FusedBackward {
     // T = 4096, D = 128 on a VM where a page's first touch was dear; bench/README.md, "2026-12-03, seventeenth
     // session").
     Index written = 0;  // rows [0, written) of the sequence's keys are written
-    const auto write_rows = [&](Index j0, Index n, const float* dk, const float* dv) {
-      for (Index j = written; j < j0; ++j) {
+    const auto zero_rows_to = [&](Index end) {
+      for (Index j = written; j < end; ++j) {
         std::fill_n(&d_k_(vb, h_kv, kv_row0 + j, 0), D, 0.0f);
         if (Dv > 0) std::fill_n(&d_v_(vb, h_kv, kv_row0 + j, 0), Dv, 0.0f);
       }
+      written = std::max(written, end);
+    };
+    const auto store_tile = [&](Index j0, Index n) {  // rows [j0, j0 + n) from the tile's dK and dV
+      zero_rows_to(j0);
       for (Index j = 0; j < n; ++j) {
-        std::copy_n(dk + j * D, D, &d_k_(vb, h_kv, kv_row0 + j0 + j, 0));
-        if (Dv > 0) std::copy_n(dv + j * Dv, Dv, &d_v_(vb, h_kv, kv_row0 + j0 + j, 0));
+        std::copy_n(s.dk + j * D, D, &d_k_(vb, h_kv, kv_row0 + j0 + j, 0));
+        if (Dv > 0) std::copy_n(s.dv + j * Dv, Dv, &d_v_(vb, h_kv, kv_row0 + j0 + j, 0));
       }
       written = j0 + n;
     };
     if (sq == 0) {
-      write_rows(kv_rows, 0, nullptr, nullptr);
+      zero_rows_to(kv_rows);
       return;
     }
     float* dq = s.dq;
@@ -282,10 +286,10 @@ class FusedBackward {
             touched = true;
           }
         }
-        if (touched) write_rows(j0, n, s.dk, s.dv);
+        if (touched) store_tile(j0, n);
       }
     }
-    write_rows(kv_rows, 0, nullptr, nullptr);
+    zero_rows_to(kv_rows);
     for (Index g = 0; g < G; ++g) {
       for (Index i = 0; i < sq; ++i) std::copy_n(dq + (g * sq + i) * D, D, &d_q_(vb, h_kv * G + g, q_row0 + i, 0));
     }
