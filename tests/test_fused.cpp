@@ -624,6 +624,51 @@ TEST(FusedEmulated16, BitIdenticalToTheAvx512Kernel) {
 }
 #endif
 
+// pack_keys (pack.hpp) on the emulated 16-lane tag (AVX-512's panel of 64 keys; the generic transpose through
+// memory; test_simd checks each tag's own transpose): every element of every panel, the zero padding of the last one
+// and the largest finite |k|, against a plain loop, for float and half storage, rows further apart than D, key counts
+// and D off the 16 × 16 blocks, and a NaN and an ∞ in K (left out of the bound, copied as they are).
+template <class S>
+void check_pack_keys(Index skv, Index D, Index ld) {
+  constexpr Index kPanel = qkv_test::emulated_pass::FusedTiles<qkv_test::Emulated16Tag>::kPanel;
+  std::vector<S> k(static_cast<std::size_t>(std::max<Index>(1, skv * ld)));
+  std::mt19937 rng(static_cast<unsigned>(skv * 131 + D * 7 + ld));
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  for (auto& e : k) e = S(dist(rng));
+  if (skv > 2 && D > 1) {
+    k[static_cast<std::size_t>(ld + 1)] = S(std::numeric_limits<float>::quiet_NaN());
+    k[static_cast<std::size_t>(2 * ld)] = S(-std::numeric_limits<float>::infinity());
+  }
+  const Index panels = (skv + kPanel - 1) / kPanel;
+  std::vector<float> packed(static_cast<std::size_t>(std::max<Index>(1, panels * D * kPanel)), -7.0f),
+      row(static_cast<std::size_t>(D));
+  const float bound =
+      qkv_test::emulated_pass::pack_keys<qkv_test::Emulated16Tag>(k.data(), ld, skv, D, packed.data(), row.data());
+  float expected_bound = 0.0f;
+  const std::string where = "skv " + std::to_string(skv) + ", D " + std::to_string(D) + ", ld " + std::to_string(ld);
+  for (Index p = 0; p < panels; ++p) {
+    for (Index d = 0; d < D; ++d) {
+      for (Index c = 0; c < kPanel; ++c) {
+        const Index j = p * kPanel + c;
+        const float got = packed[static_cast<std::size_t>((p * D + d) * kPanel + c)];
+        const float want = j < skv ? static_cast<float>(k[static_cast<std::size_t>(j * ld + d)]) : 0.0f;
+        if (j < skv && std::isfinite(want)) expected_bound = std::max(expected_bound, std::fabs(want));
+        ASSERT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << where << ": key " << j << ", d " << d;
+      }
+    }
+  }
+  EXPECT_EQ(bound, expected_bound) << where;
+}
+
+TEST(Fused, PackKeysTransposesEveryKeyIntoItsPanel) {
+  check_pack_keys<float>(64, 128, 128);   // one whole panel of whole blocks, head-major
+  check_pack_keys<float>(200, 72, 1024);  // a partial last panel, D off the blocks, token-major rows
+  check_pack_keys<float>(7, 5, 9);        // less than one block either way
+  check_pack_keys<float>(0, 64, 64);      // nothing
+  check_pack_keys<Eigen::half>(130, 40, 48);
+  check_pack_keys<Eigen::bfloat16>(33, 16, 512);
+}
+
 // PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps
 // (next_run) and the flush it hands out the first address of every 64-byte line of each row's span exactly once, in
 // memory order, and nothing outside the spans (addresses only; nothing is read). A step's run is min(share, lines

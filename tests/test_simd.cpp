@@ -210,6 +210,31 @@ TYPED_TEST(Simd, SixteenLaneSumsAtOncePairAsFourAtATime) {
   }
 }
 
+TYPED_TEST(Simd, TransposeExchangesRowsAndLanes) {
+  // transpose (packing Kᵀ panels, pack.hpp): lane j of row i becomes lane i of row j, for distinct values (so a
+  // lane landing anywhere else fails), the NaN and infinities among them (moved, never computed on).
+  using Tag = TypeParam;
+  using namespace qkv::simd;
+  constexpr int L = Tag::kLanes;
+  float x[L][L];
+  for (int i = 0; i < L; ++i) {
+    for (int j = 0; j < L; ++j) x[i][j] = float(100 * i + j) + 0.25f;
+  }
+  x[0][L - 1] = std::numeric_limits<float>::quiet_NaN();
+  x[L - 1][0] = std::numeric_limits<float>::infinity();
+  x[L / 2][L / 2] = -std::numeric_limits<float>::infinity();
+  typename Tag::Vec rows[L];
+  for (int i = 0; i < L; ++i) rows[i] = load(Tag(), x[i]);
+  transpose(Tag(), rows);
+  for (int i = 0; i < L; ++i) {
+    float lanes[L];
+    store(Tag(), lanes, rows[i]);
+    for (int j = 0; j < L; ++j) {
+      EXPECT_EQ(std::memcmp(&lanes[j], &x[j][i], sizeof(float)), 0) << "row " << i << ", lane " << j;
+    }
+  }
+}
+
 TYPED_TEST(Simd, PartialLoadsAndStoresTouchOnlyTheirLanes) {
   using Tag = TypeParam;
   constexpr int L = Tag::kLanes;

@@ -62,16 +62,41 @@ const float* row_as_float(const S* src, Index n, float* buffer) noexcept {
   }
 }
 
+/// dst[d·kPanel + j] = src[j·ld + d] as float, for keys j < `keys` (rows of D elements stored as S, `ld` apart) and
+/// d < D: one panel's columns. Blocks of kLanes keys × kLanes d are loaded row by row (simd::load_kv, which converts
+/// 16-bit storage), transposed in registers (simd::transpose) and stored column by column; the d past the last whole
+/// block and the keys past the last whole block of keys one element at a time. Each block reads one vector of each of
+/// its kLanes rows, whatever their distance (token-major K, whose rows are 4 KiB apart and share L1 sets, included).
+/// Complexity: O(keys·D).
+template <class Tag, class S>
+void transpose_to_panel(const S* src, Index ld, Index keys, Index D, float* dst) noexcept {
+  using namespace simd;
+  constexpr int L = Tag::kLanes;
+  constexpr Index kPanel = FusedTiles<Tag>::kPanel;
+  const Index full_keys = keys / L * L, full_d = D / L * L;
+  for (Index j0 = 0; j0 < full_keys; j0 += L) {
+    for (Index d0 = 0; d0 < full_d; d0 += L) {
+      typename Tag::Vec block[L];
+      QKV_UNROLL for (int i = 0; i < L; ++i) block[i] = load_kv(Tag(), src + (j0 + i) * ld + d0);
+      transpose(Tag(), block);
+      QKV_UNROLL for (int i = 0; i < L; ++i) store(Tag(), dst + (d0 + i) * kPanel + j0, block[i]);
+    }
+    for (Index j = j0; j < j0 + L; ++j) {
+      for (Index d = full_d; d < D; ++d) dst[d * kPanel + j] = to_float(src[j * ld + d]);
+    }
+  }
+  for (Index j = full_keys; j < keys; ++j) {
+    for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = to_float(src[j * ld + d]);
+  }
+}
+
 /// Packs the first `skv` keys of k (rows of D elements stored as S, `ld` apart) into panels of kPanel keys laid
-/// out [panel][d][key] in float, zero-padding the last panel. Returns the largest finite |k| (±∞ and NaN left out:
-/// they make a score ±∞ or NaN in any base), which bounds the scores for the choice of the softmax's base
-/// (query_block.hpp, base2_fits). `row` is scratch of D floats for 16-bit storage (a key row is converted into it
-/// first, then scattered over the panel), unused for float. A key row scattered over all D panel rows at once missed
-/// in cache on every store into a fresh buffer and stalled on the store queue. Float panels whose kPanel source rows
-/// lie within 32 KiB (head-major K with D ≤ 128) are written front to back, whole columns at a time (d outer, keys
-/// inner); rows further apart (token-major K, where rows ld·4 = a multiple of 4 KiB apart share one L1 set, and
-/// column reads took 7 × as long) one source line of d at a time: each key's line is read once and scattered over
-/// the 16 panel rows of those d, which stay in L1. bench/README.md, "2026-12-02, ninth session".
+/// out [panel][d][key] in float (transpose_to_panel), zero-padding the last panel. Returns the largest finite |k| (±∞
+/// and NaN left out: they make a score ±∞ or NaN in any base), which bounds the scores for the choice of the
+/// softmax's base (query_block.hpp, base2_fits). `row` is scratch of D floats for 16-bit storage (each key row is
+/// converted into it for that bound), unused for float. The panels were first written element by element (d outer
+/// for head-major K, one source line at a time for token-major K): 1.1 % of a one-thread prefill at T = 1024, D = 128
+/// on Zen 5 (bench/README.md, "2026-12-04, eighteenth session").
 template <class Tag, class S>
 float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* row) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel;
@@ -80,32 +105,17 @@ float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* 
   for (Index p = 0; p < panels; ++p) {
     float* dst = packed + p * D * kPanel;
     const Index keys = std::min<Index>(kPanel, skv - p * kPanel);
+    const S* src = k + p * kPanel * ld;
     if constexpr (std::is_same_v<S, float>) {
       (void)row;
-      const float* src = k + p * kPanel * ld;
       abs_max = std::max(abs_max, finite_abs_max<Tag>(src, ld, keys, D));
-      if (ld * kPanel <= 8192) {  // source rows within 32 KiB (head-major K, D <= 128): whole columns, d outer
-        for (Index d = 0; d < D; ++d) {
-          float* out = dst + d * kPanel;
-          for (Index j = 0; j < keys; ++j) out[j] = src[j * ld + d];
-        }
-      } else {  // rows further apart: one source line (16 floats) of d at a time
-        for (Index d0 = 0; d0 < D; d0 += 16) {
-          const Index d1 = std::min<Index>(D, d0 + 16);
-          for (Index j = 0; j < keys; ++j) {
-            for (Index d = d0; d < d1; ++d) dst[d * kPanel + j] = src[j * ld + d];
-          }
-        }
-      }
-      for (Index d = 0; d < D; ++d) std::fill(dst + d * kPanel + keys, dst + (d + 1) * kPanel, 0.0f);
     } else {
       for (Index j = 0; j < keys; ++j) {
-        const float* src = row_as_float<Tag>(k + (p * kPanel + j) * ld, D, row);
-        abs_max = std::max(abs_max, finite_abs_max<Tag>(src, D, 1, D));
-        for (Index d = 0; d < D; ++d) dst[d * kPanel + j] = src[d];
+        abs_max = std::max(abs_max, finite_abs_max<Tag>(row_as_float<Tag>(src + j * ld, D, row), D, 1, D));
       }
-      for (Index d = 0; d < D; ++d) std::fill(dst + d * kPanel + keys, dst + (d + 1) * kPanel, 0.0f);
     }
+    transpose_to_panel<Tag>(src, ld, keys, D, dst);
+    for (Index d = 0; d < D; ++d) std::fill(dst + d * kPanel + keys, dst + (d + 1) * kPanel, 0.0f);
   }
   return abs_max;
 }

@@ -93,6 +93,26 @@ inline void reduce_sum4(Avx2Tag, __m256 a, __m256 b, __m256 c, __m256 d, float* 
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 }
 
+/// Transposes the 8 × 8 block held in rows[0..8): lane j of rows[i] becomes lane i of rows[j] (packing Kᵀ panels,
+/// pack.hpp). Pairs of rows interleaved, then pairs of pairs, then the 128-bit halves exchanged: 24 shuffles.
+inline void transpose(Avx2Tag, __m256* rows) noexcept {
+  __m256 t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(rows[2 * k], rows[2 * k + 1]);  // [r0 r1 of d0 d1 | of d4 d5]
+    t[2 * k + 1] = _mm256_unpackhi_ps(rows[2 * k], rows[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {  // u[4k + e]: d = e and 4 + e of rows 4k … 4k + 3
+    u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    rows[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    rows[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
+}
+
 /// e^x lane-wise; see exp_constants.hpp for the method and the error bound.
 inline __m256 exp(Avx2Tag, __m256 x) noexcept {
   namespace c = exp_constants;

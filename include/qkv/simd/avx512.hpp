@@ -131,6 +131,33 @@ inline void reduce_sum16(Avx512Tag tag, const __m512* v, float* out) noexcept {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
 }
 
+/// Transposes the 16 × 16 block held in rows[0..16): lane j of rows[i] becomes lane i of rows[j] (packing Kᵀ panels,
+/// pack.hpp). Pairs of rows interleaved, then pairs of pairs (each 128-bit lane then holds one d of four rows), then
+/// the 128-bit lanes gathered in two rounds: 64 shuffles.
+inline void transpose(Avx512Tag, __m512* rows) noexcept {
+  __m512 t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(rows[2 * k], rows[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(rows[2 * k], rows[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k + e], 128-bit lane l: d = 4l + e of rows 4k … 4k + 3
+    u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 even0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88),
+                 even1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 odd0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD),
+                 odd1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    rows[e] = _mm512_shuffle_f32x4(even0, even1, 0x88);
+    rows[8 + e] = _mm512_shuffle_f32x4(even0, even1, 0xDD);
+    rows[4 + e] = _mm512_shuffle_f32x4(odd0, odd1, 0x88);
+    rows[12 + e] = _mm512_shuffle_f32x4(odd0, odd1, 0xDD);
+  }
+}
+
 /// e^x lane-wise; see exp_constants.hpp. 2^n is applied with vscalefps, which also handles the range ends.
 inline __m512 exp(Avx512Tag, __m512 x) noexcept {
   namespace c = exp_constants;

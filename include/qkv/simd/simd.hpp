@@ -3,8 +3,9 @@
 //
 // Internal. Ops are overloaded free functions taking a tag (Highway style): zero, set1, load, store,
 // load_partial / store_partial (tails), add, sub, mul, fmadd(a, b, c) = a·b + c, max, reduce_max,
-// reduce_sum, reduce_sum4 (four lane sums at once; reduce_sum16, sixteen, on 16-lane tags), exp, exp2; load_kv /
-// load_kv_partial (stored keys or values: float, or Eigen::half / Eigen::bfloat16 converted exactly to float); and
+// reduce_sum, reduce_sum4 (four lane sums at once; reduce_sum16, sixteen, on 16-lane tags), exp, exp2, transpose (of
+// a kLanes × kLanes block); load_kv / load_kv_partial (stored keys or values: float, or Eigen::half /
+// Eigen::bfloat16 converted exactly to float); and
 // keep_in_register (a codegen hint); prefetch / prefetch_row (no tag: hints, no result).
 // Everything sits in qkv::simd's ISA-named inline namespace (config.hpp), so translation units built with different
 // flags never share a definition.
@@ -74,6 +75,21 @@ inline typename Tag::Vec load_kv_partial(Tag tag, const S* p, int n) noexcept {
     float lanes[Tag::kLanes] = {};
     for (int i = 0; i < n; ++i) lanes[i] = to_float(p[i]);
     return load(tag, lanes);
+  }
+}
+
+/// Transposes the kLanes × kLanes block held in rows[0..kLanes) (lane j of rows[i] becomes lane i of rows[j]), for a
+/// tag without a transpose of its own (the tests' emulated one), through memory. The scalar, AVX2 and AVX-512 tags
+/// define theirs, in registers.
+template <class Tag>
+inline void transpose(Tag tag, typename Tag::Vec* rows) noexcept {
+  constexpr int L = Tag::kLanes;
+  float block[L * L];
+  for (int i = 0; i < L; ++i) store(tag, block + i * L, rows[i]);
+  for (int i = 0; i < L; ++i) {
+    float column[L];
+    for (int j = 0; j < L; ++j) column[j] = block[j * L + i];
+    rows[i] = load(tag, column);
   }
 }
 
