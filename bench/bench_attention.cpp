@@ -318,6 +318,38 @@ void BM_NaiveEigenBackward(benchmark::State& state) {
   state.SetLabel(label(out_given ? "naive eigen backward, out given" : "naive eigen backward"));
 }
 
+// The naive backward's five products alone (S = Q·Kᵀ·scale, dV = Sᵀ·dO, dP = dO·Vᵀ, dQ = dP·K·scale, dK = dPᵀ·Q·scale:
+// the same shapes, no softmax, no dS), one thread; args {T, D}. The floor of BM_NaiveEigenBackward's time at Eigen's
+// speed: the fused backward's ratio to the naive one cannot exceed (naive time) / (these products' flops at the FMA
+// loop's speed), and where these products alone take more than half the naive time, × 2 needs the fused backward to
+// run its products faster than Eigen runs these.
+void BM_NaiveEigenBackwardProducts(benchmark::State& state) {
+  const Index T = state.range(0), D = state.range(1), H = 8;
+  Eigen::setNbThreads(1);
+  using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::vector<M> q(std::size_t(H), M::Random(T, D)), k(std::size_t(H), M::Random(T, D)),
+      v(std::size_t(H), M::Random(T, D)), d_out(std::size_t(H), M::Random(T, D));
+  M s, d_p, d_q(T, D), d_k(T, D), d_v(T, D);
+  const float scale = 1.0f / std::sqrt(float(D));
+  const auto call = [&] {
+    for (std::size_t u = 0; u < std::size_t(H); ++u) {
+      s.noalias() = (q[u] * scale) * k[u].transpose();
+      d_v.noalias() = s.transpose() * d_out[u];
+      d_p.noalias() = d_out[u] * v[u].transpose();
+      d_q.noalias() = (d_p * k[u]) * scale;
+      d_k.noalias() = (d_p.transpose() * q[u]) * scale;
+      benchmark::DoNotOptimize(d_q.data());
+      benchmark::DoNotOptimize(d_k.data());
+      benchmark::DoNotOptimize(d_v.data());
+    }
+  };
+  call();
+  for (auto _ : state) call();
+  const double flops = 2.0 * double(2 * D + 3 * D) * double(T) * double(T) * double(H);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("naive eigen backward, products only"));
+}
+
 // Eigen SGEMM 2048 × 2048 × 2048, one thread: the "Eigen SGEMM reference".
 void BM_EigenSgemm(benchmark::State& state) {
   const Index n = 2048;
@@ -470,6 +502,10 @@ BENCHMARK(BM_FusedBackward)
 BENCHMARK(BM_NaiveEigenBackward)
     ->ArgsProduct({{1024, 4096}, {64, 128}, {0, 1}})
     ->ArgNames({"T", "D", "out_given"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_NaiveEigenBackwardProducts)
+    ->ArgsProduct({{4096}, {64, 128}})
+    ->ArgNames({"T", "D"})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ReferencePrefill)
     ->Args({512, 64, 0})
