@@ -626,8 +626,9 @@ TEST(FusedEmulated16, BitIdenticalToTheAvx512Kernel) {
 
 // pack_keys (pack.hpp) on the emulated 16-lane tag (AVX-512's panel of 64 keys; the generic transpose through
 // memory; test_simd checks each tag's own transpose): every element of every panel, the zero padding of the last one
-// and the largest finite |k|, against a plain loop, for float and half storage, rows further apart than D, key counts
-// and D off the 16 × 16 blocks, and a NaN and an ∞ in K (left out of the bound, copied as they are).
+// and the largest finite |k|, against a plain loop, for float, half and bfloat16 storage, rows further apart than D,
+// key counts and D off the 16 × 16 blocks, and NaN and ∞ in K, inside a block and in the last key's last d (left out
+// of the bound, copied as they are).
 template <class S>
 void check_pack_keys(Index skv, Index D, Index ld) {
   constexpr Index kPanel = qkv_test::emulated_pass::FusedTiles<qkv_test::Emulated16Tag>::kPanel;
@@ -639,6 +640,8 @@ void check_pack_keys(Index skv, Index D, Index ld) {
     k[static_cast<std::size_t>(ld + 1)] = S(std::numeric_limits<float>::quiet_NaN());
     k[static_cast<std::size_t>(2 * ld)] = S(-std::numeric_limits<float>::infinity());
   }
+  if (skv > 0 && D > 0)
+    k[static_cast<std::size_t>((skv - 1) * ld + D - 1)] = S(std::numeric_limits<float>::quiet_NaN());
   const Index panels = (skv + kPanel - 1) / kPanel;
   std::vector<float> packed(static_cast<std::size_t>(std::max<Index>(1, panels * D * kPanel)), -7.0f),
       row(static_cast<std::size_t>(D));

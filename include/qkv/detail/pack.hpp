@@ -67,12 +67,15 @@ const float* row_as_float(const S* src, Index n, float* buffer) noexcept {
 /// 16-bit storage), transposed in registers (simd::transpose) and stored column by column; the d past the last whole
 /// block and the keys past the last whole block of keys one element at a time. Each block reads one vector of each of
 /// its kLanes rows, whatever their distance (token-major K, whose rows are 4 KiB apart and share L1 sets, included).
-/// Complexity: O(keys·D).
+/// keys ≤ kPanel; dst holds D·kPanel floats, of which the first `keys` of each row of kPanel are written. Against the
+/// element-by-element copy it replaced: token-major prefill (T = 1024, D = 128, one thread, Zen 5) 0.97 of the time,
+/// head-major within 1 % (bench/README.md, "2026-12-04, eighteenth session"). Complexity: O(keys·D).
 template <class Tag, class S>
 void transpose_to_panel(const S* src, Index ld, Index keys, Index D, float* dst) noexcept {
   using namespace simd;
   constexpr int L = Tag::kLanes;
   constexpr Index kPanel = FusedTiles<Tag>::kPanel;
+  QKV_ASSERT(0 <= keys && keys <= kPanel);
   const Index full_keys = keys / L * L, full_d = D / L * L;
   for (Index j0 = 0; j0 < full_keys; j0 += L) {
     for (Index d0 = 0; d0 < full_d; d0 += L) {
@@ -91,12 +94,11 @@ void transpose_to_panel(const S* src, Index ld, Index keys, Index D, float* dst)
 }
 
 /// Packs the first `skv` keys of k (rows of D elements stored as S, `ld` apart) into panels of kPanel keys laid
-/// out [panel][d][key] in float (transpose_to_panel), zero-padding the last panel. Returns the largest finite |k| (±∞
-/// and NaN left out: they make a score ±∞ or NaN in any base), which bounds the scores for the choice of the
-/// softmax's base (query_block.hpp, base2_fits). `row` is scratch of D floats for 16-bit storage (each key row is
-/// converted into it for that bound), unused for float. The panels were first written element by element (d outer
-/// for head-major K, one source line at a time for token-major K): 1.1 % of a one-thread prefill at T = 1024, D = 128
-/// on Zen 5 (bench/README.md, "2026-12-04, eighteenth session").
+/// out [panel][d][key] in float (transpose_to_panel), zero-padding the last panel: `packed` holds ⌈skv / kPanel⌉ ·
+/// D · kPanel floats. Returns the largest finite |k| (±∞ and NaN left out: they make a score ±∞ or NaN in any base),
+/// which bounds the scores for the choice of the softmax's base (query_block.hpp, base2_fits). `row` is scratch of D
+/// floats for 16-bit storage (each key row is converted into it for that bound), unused for float. Complexity:
+/// O(skv·D).
 template <class Tag, class S>
 float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* row) noexcept {
   constexpr int kPanel = FusedTiles<Tag>::kPanel;

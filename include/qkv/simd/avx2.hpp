@@ -98,8 +98,8 @@ inline void reduce_sum4(Avx2Tag, __m256 a, __m256 b, __m256 c, __m256 d, float* 
 inline void transpose(Avx2Tag, __m256* rows) noexcept {
   __m256 t[8], u[8];
   for (int k = 0; k < 4; ++k) {
-    t[2 * k] = _mm256_unpacklo_ps(rows[2 * k], rows[2 * k + 1]);  // [r0 r1 of d0 d1 | of d4 d5]
-    t[2 * k + 1] = _mm256_unpackhi_ps(rows[2 * k], rows[2 * k + 1]);
+    t[2 * k] = _mm256_unpacklo_ps(rows[2 * k], rows[2 * k + 1]);      // rows 2k, 2k + 1 at d 0 1 | 4 5
+    t[2 * k + 1] = _mm256_unpackhi_ps(rows[2 * k], rows[2 * k + 1]);  // … at d 2 3 | 6 7
   }
   for (int k = 0; k < 2; ++k) {  // u[4k + e]: d = e and 4 + e of rows 4k … 4k + 3
     u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);

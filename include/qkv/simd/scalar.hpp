@@ -52,11 +52,11 @@ inline float max(float a, float b) noexcept { return a > b ? a : b; }
 inline float reduce_max(ScalarTag, float v) noexcept { return v; }
 inline float reduce_sum(ScalarTag, float v) noexcept { return v; }
 /// out[0..4) = the lane sums of a, b, c, d (with one lane, the values themselves).
-/// The 1 × 1 block's transpose: itself.
-inline void transpose(ScalarTag, float*) noexcept {}
 inline void reduce_sum4(ScalarTag, float a, float b, float c, float d, float* out) noexcept {
   out[0] = a, out[1] = b, out[2] = c, out[3] = d;
 }
+/// The 1 × 1 block's transpose: itself.
+inline void transpose(ScalarTag, float*) noexcept {}
 /// e^x with the C library's accuracy (≤ 1 ulp in glibc); 0 for −∞, NaN for NaN.
 inline float exp(ScalarTag, float x) noexcept { return std::exp(x); }
 /// 2^x with the C library's accuracy; 0 for −∞, NaN for NaN.

@@ -83,6 +83,8 @@ inline typename Tag::Vec load_kv_partial(Tag tag, const S* p, int n) noexcept {
 /// define theirs, in registers.
 template <class Tag>
 inline void transpose(Tag tag, typename Tag::Vec* rows) noexcept {
+  static_assert(std::is_class_v<typename Tag::Vec>,
+                "qkv: a tag whose vector is a register type (float, __m256, __m512) defines its own transpose");
   constexpr int L = Tag::kLanes;
   float block[L * L];
   for (int i = 0; i < L; ++i) store(tag, block + i * L, rows[i]);
