@@ -672,6 +672,84 @@ TEST(Fused, PackKeysTransposesEveryKeyIntoItsPanel) {
   check_pack_keys<Eigen::bfloat16>(33, 16, 512);
 }
 
+// OnlineSoftmax::update_rows (online_softmax.hpp), which the prefill calls for a strip's rows at once, against
+// update() called row by row on a copy of the same state: the weights written in place, row_max, row_sum, row_nan and
+// acc_o must be the same bits. Rows whose max rises (acc_o rescaled), rows that have seen no key yet, a row of only
+// −∞ (the group then goes row by row), a NaN score, a +∞ score, ranges that start past 0 and end inside a vector,
+// and an empty range; in base 2 and base e, on the emulated 16-lane tag.
+template <int kRows, bool kBase2>
+void check_update_rows(Index first, Index n, Index Dv, unsigned seed, bool empty_row, bool special_scores) {
+  using Softmax = qkv_test::emulated_pass::OnlineSoftmax<qkv_test::Emulated16Tag, kBase2>;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const Index ld = n + 21;  // rows further apart than their scores
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-12.0f, 12.0f);
+  struct State {
+    std::vector<float> scores, row_max, row_sum, acc_o;
+    std::vector<char> row_nan;
+  } a;
+  a.scores.resize(static_cast<std::size_t>(kRows * ld));
+  for (auto& x : a.scores) x = dist(rng);
+  a.row_max.resize(kRows);
+  a.row_sum.resize(kRows);
+  a.row_nan.assign(kRows, 0);
+  a.acc_o.resize(static_cast<std::size_t>(kRows * Dv));
+  for (auto& x : a.acc_o) x = dist(rng);
+  for (int k = 0; k < kRows; ++k) {
+    // Row 0 has seen nothing; the others a max below, within or above the tile's scores.
+    a.row_max[k] = k == 0 ? kNegInf : -20.0f + 15.0f * static_cast<float>(k % 4);
+    a.row_sum[k] = k == 0 ? 0.0f : 1.0f + static_cast<float>(k);
+  }
+  if (empty_row && n > first) {
+    float* row = a.scores.data() + (kRows - 1) * ld;
+    std::fill(row + first, row + n, kNegInf);
+    a.row_max[kRows - 1] = kNegInf;
+    a.row_sum[kRows - 1] = 0.0f;
+  }
+  if (special_scores && n > first + 2 && kRows > 1) {
+    a.scores[static_cast<std::size_t>(ld + n - 1)] = std::numeric_limits<float>::quiet_NaN();
+    a.scores[static_cast<std::size_t>(first + 1)] = std::numeric_limits<float>::infinity();
+  }
+  State b = a;
+  Softmax by_rows(a.row_max.data(), a.row_sum.data(), a.row_nan.data(), a.acc_o.data(), Dv);
+  for (int k = 0; k < kRows; ++k) by_rows.update(k, a.scores.data() + k * ld, first, n);
+  Softmax together(b.row_max.data(), b.row_sum.data(), b.row_nan.data(), b.acc_o.data(), Dv);
+  together.template update_rows<kRows>(0, b.scores.data(), ld, first, n);
+  const std::string where = std::to_string(kRows) + " rows, base " + (kBase2 ? "2" : "e") + ", [" +
+                            std::to_string(first) + ", " + std::to_string(n) + "), Dv " + std::to_string(Dv) +
+                            (empty_row ? ", a row of -inf" : "") + (special_scores ? ", NaN and +inf" : "");
+  const auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same_bits(a.scores, b.scores)) << where << ": the weights";
+  EXPECT_TRUE(same_bits(a.row_max, b.row_max)) << where << ": row_max";
+  EXPECT_TRUE(same_bits(a.row_sum, b.row_sum)) << where << ": row_sum";
+  EXPECT_TRUE(same_bits(a.acc_o, b.acc_o)) << where << ": acc_o";
+  EXPECT_EQ(a.row_nan, b.row_nan) << where << ": row_nan";
+  // The check could fail: the rows were changed (weights in [0, 1] or NaN where they were scores).
+  EXPECT_FALSE(n > first && same_bits(a.scores, std::vector<float>(a.scores.size(), 0.0f))) << where;
+}
+
+template <bool kBase2>
+void check_update_rows_cases() {
+  for (bool empty_row : {false, true}) {
+    for (bool special : {false, true}) {
+      check_update_rows<6, kBase2>(0, 512, 128, 1, empty_row, special);  // a whole tile, D = 128
+      check_update_rows<6, kBase2>(64, 301, 64, 2, empty_row, special);  // past a panel, ending inside a vector
+      check_update_rows<5, kBase2>(0, 37, 80, 3, empty_row, special);    // a tail of 5 scores; Dv off the vectors
+      check_update_rows<3, kBase2>(16, 29, 16, 4, empty_row, special);   // less than one vector
+      check_update_rows<4, kBase2>(0, 1024, 128, 5, empty_row, special);
+      check_update_rows<1, kBase2>(0, 96, 32, 6, empty_row, special);
+      check_update_rows<2, kBase2>(32, 32, 64, 7, empty_row, special);  // an empty range
+    }
+  }
+}
+
+TEST(Fused, SoftmaxUpdateRowsIsUpdateRowByRow) {
+  check_update_rows_cases<true>();
+  check_update_rows_cases<false>();
+}
+
 // PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps
 // (next_run) and the flush it hands out the first address of every 64-byte line of each row's span exactly once, in
 // memory order, and nothing outside the spans (addresses only; nothing is read). A step's run is min(share, lines

@@ -275,7 +275,7 @@ class FusedAttention {
             fits = false;  // the task runs again in base e
             return;
           }
-          for (Index rr = 0; rr < kR; ++rr) softmax.update(r0 + rr, s_strip + rr * ldS, first, n);
+          softmax.template update_rows<kR>(r0, s_strip, ldS, first, n);
           if (Dv == 0) return;
           if (dropout) {
             for (Index rr = 0; rr < kR; ++rr) drop_row(t, r0 + rr, j0 + first, n - first, s_strip + rr * ldS + first);

@@ -109,18 +109,68 @@ class OnlineSoftmax {
       store_partial(Tag(), row + n_vec, e, tail);
       vsum = add(vsum, e);
     }
-    const float sum = reduce_sum(Tag(), vsum);
-    if (new_max > old_max && old_max != kNegInf) {
-      const float alpha = scalar_exp(old_max - new_max);
-      row_sum_[r] *= alpha;
-      float* o = acc_o(r);
-      const auto va = set1(Tag(), alpha);
-      const Index dv_vec = Dv_ / L * L;
-      for (Index d = 0; d < dv_vec; d += L) store(Tag(), o + d, mul(load(Tag(), o + d), va));
-      for (Index d = dv_vec; d < Dv_; ++d) o[d] *= alpha;
+    finish_update(r, new_max, reduce_sum(Tag(), vsum));
+  }
+
+  /// update() for kRows consecutive rows r, r + 1, … whose scores lie `ld` floats apart from `rows` on, their passes
+  /// interleaved: each row's running maxes, exps and sum take the same values in the same order as in update(), so
+  /// the results are the same bits, but the rows' dependency chains (the horizontal max, then that row's exps and
+  /// their sum) overlap instead of running one row after another. A group in which some row has seen no visible key
+  /// goes row by row through update().
+  template <int kRows>
+  void update_rows(Index r, float* rows, Index ld, Index first, Index n) noexcept {
+    using namespace simd;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr int L = Tag::kLanes;
+    const Index n_vec = first + (n - first) / L * L;
+    const int tail = static_cast<int>(n - n_vec);
+    Vec vmax[4][kRows];
+    QKV_UNROLL for (int a = 0; a < 4; ++a) {
+      QKV_UNROLL for (int k = 0; k < kRows; ++k) vmax[a][k] = set1(Tag(), kNegInf);
     }
-    row_sum_[r] += sum;
-    row_max_[r] = new_max;
+    Index j = first;
+    for (; j + 4 * L <= n_vec; j += 4 * L) {
+      QKV_UNROLL for (int k = 0; k < kRows; ++k) {
+        QKV_UNROLL for (int a = 0; a < 4; ++a) vmax[a][k] = max(vmax[a][k], load(Tag(), rows + k * ld + j + a * L));
+      }
+    }
+    for (; j < n_vec; j += L) {
+      QKV_UNROLL for (int k = 0; k < kRows; ++k) vmax[0][k] = max(vmax[0][k], load(Tag(), rows + k * ld + j));
+    }
+    Vec vm[kRows];
+    float new_max[kRows];
+    bool any_empty = false;
+    QKV_UNROLL for (int k = 0; k < kRows; ++k) {
+      const auto v_tail = tail > 0 ? tail_vector(rows + k * ld + n_vec, tail) : set1(Tag(), kNegInf);
+      const float tile_max =
+          reduce_max(Tag(), max(max(max(vmax[0][k], vmax[1][k]), max(vmax[2][k], vmax[3][k])), v_tail));
+      new_max[k] = std::max(row_max_[r + k], tile_max);
+      any_empty |= new_max[k] == kNegInf;
+      vm[k] = set1(Tag(), new_max[k]);
+    }
+    if (any_empty) {
+      for (int k = 0; k < kRows; ++k) update(r + k, rows + k * ld, first, n);
+      return;
+    }
+    Vec vsum[kRows];
+    QKV_UNROLL for (int k = 0; k < kRows; ++k) vsum[k] = zero(Tag());
+    for (Index jj = first; jj < n_vec; jj += L) {
+      QKV_UNROLL for (int k = 0; k < kRows; ++k) {
+        float* p = rows + k * ld + jj;
+        const auto e = vector_exp(sub(load(Tag(), p), vm[k]));
+        store(Tag(), p, e);
+        vsum[k] = add(vsum[k], e);
+      }
+    }
+    if (tail > 0) {
+      QKV_UNROLL for (int k = 0; k < kRows; ++k) {
+        float* p = rows + k * ld + n_vec;
+        const auto e = vector_exp(sub(tail_vector(p, tail), vm[k]));
+        store_partial(Tag(), p, e, tail);
+        vsum[k] = add(vsum[k], e);
+      }
+    }
+    for (int k = 0; k < kRows; ++k) finish_update(r + k, new_max[k], reduce_sum(Tag(), vsum[k]));
   }
 
   /// Row r's output in acc_o(r): acc_o / row_sum (one division per row); zeros for a row that saw no key, NaN for
@@ -153,6 +203,26 @@ class OnlineSoftmax {
   char* row_nan_;
   float* acc_o_;
   Index Dv_;
+
+  /// The end of row r's update to `new_max` (not −∞) with the tile's weights summing to `sum`: rescales row_sum and
+  /// acc_o by exp(old max − new max) if the max rose, then adds the tile's sum.
+  void finish_update(Index r, float new_max, float sum) noexcept {
+    using namespace simd;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr int L = Tag::kLanes;
+    const float old_max = row_max_[r];
+    if (new_max > old_max && old_max != kNegInf) {
+      const float alpha = scalar_exp(old_max - new_max);
+      row_sum_[r] *= alpha;
+      float* o = acc_o(r);
+      const auto va = set1(Tag(), alpha);
+      const Index dv_vec = Dv_ / L * L;
+      for (Index d = 0; d < dv_vec; d += L) store(Tag(), o + d, mul(load(Tag(), o + d), va));
+      for (Index d = dv_vec; d < Dv_; ++d) o[d] *= alpha;
+    }
+    row_sum_[r] += sum;
+    row_max_[r] = new_max;
+  }
 
   /// The first `tail` (1 ≤ tail < L) floats at p in a vector's first lanes, −∞ in the others: the masked load's
   /// zeros plus a row of 0 then −∞ shifted by tail (x + 0 = x for every x but −0, whose exp is the same).
