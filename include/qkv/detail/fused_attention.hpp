@@ -10,7 +10,7 @@
 //     for each key tile [j0, j1) inside MaskGeometry::key_range(i0, i1), hidden tiles skipped        mask.hpp
 //       prefill (Sq·G > kDecodeRows), per strip of kStrip block rows:                     prefill_kernels.hpp
 //         acc_s = Q_strip · K_tileᵀ (packed panels); scores finished and masked           score_tile.hpp
-//         row_max, row_sum updated, acc_o rescaled only when a row's max rose             online_softmax.hpp
+//         row_max, row_sum updated (the strip's rows at once), acc_o rescaled where a max rose  online_softmax.hpp
 //         P dropped and rescaled by 1/(1 − p) where the call asks for dropout             dropout.hpp
 //         acc_o += P · V_tile (packed chunks, or zero weights skipped where V holds NaN/∞)   hidden_values.hpp
 //       decoding: the same steps over blocks of kDecodeKeys keys, K and V read in place     decode_kernels.hpp

@@ -1,10 +1,11 @@
 // qkv/detail/online_softmax.hpp — the running softmax of a block of query rows (FlashAttention's Softmax).
 //
 // Per row r: row_max (the largest score seen), row_sum (Σ exp(s − row_max) over the keys seen) and acc_o (Σ of the
-// weights times V, in the same units). Each tile of scores becomes weights in place (`update`), acc_o is rescaled
-// only when the row's max rose, and `finalize` divides once per row and gives the lse. The base is a template
-// parameter: kBase2 takes scores already multiplied by log2 e and uses exp2 (the prefill's fast path), otherwise
-// exp (decoding, and a prefill task whose scores could overflow in base 2: query_block.hpp, base2_fits).
+// weights times V, in the same units). Each tile of scores becomes weights in place (`update`, or `update_rows` for
+// a prefill strip's rows at once), acc_o is rescaled only when the row's max rose, and `finalize` divides once per
+// row and gives the lse. The base is a template parameter: kBase2 takes scores already multiplied by log2 e and uses
+// exp2 (the prefill's fast path), otherwise exp (decoding, and a prefill task whose scores could overflow in base 2:
+// query_block.hpp, base2_fits).
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
