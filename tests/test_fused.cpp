@@ -674,15 +674,28 @@ TEST(Fused, PackKeysTransposesEveryKeyIntoItsPanel) {
 
 // OnlineSoftmax::update_rows (online_softmax.hpp), which the prefill calls for a strip's rows at once, against
 // update() called row by row on a copy of the same state: the weights written in place, row_max, row_sum, row_nan and
-// acc_o must be the same bits. Rows whose max rises (acc_o rescaled), rows that have seen no key yet, a row of only
-// −∞ (the group then goes row by row), a NaN score, a +∞ score, ranges that start past 0 and end inside a vector,
-// and an empty range; in base 2 and base e, on the emulated 16-lane tag.
-template <int kRows, bool kBase2>
-void check_update_rows(Index first, Index n, Index Dv, unsigned seed, bool empty_row, bool special_scores) {
-  using Softmax = qkv_test::emulated_pass::OnlineSoftmax<qkv_test::Emulated16Tag, kBase2>;
+// acc_o must be the same bits. Rows whose max rises (acc_o rescaled) or does not, rows that have seen no key yet, a
+// row of only −∞ (the group then goes row by row) and one of −∞ and NaN (row_nan set), a +∞ score, a NaN at every
+// position of a short range (where the tag's max keeps it, it reaches the tile's max), ranges that start past 0 and
+// end inside a vector, Dv off the vectors, and an empty range; in base 2 and base e, on the emulated 16-lane tag and
+// on this build's own tag (simd::BestTag, whose max and reductions are the intrinsics).
+struct UpdateRowsCase {
+  Index first = 0, n = 0, Dv = 0;
+  unsigned seed = 0;
+  bool empty_row = false;       // the last row: −∞ throughout (and a NaN with special_scores), nothing seen before
+  bool special_scores = false;  // +∞ in row 0, NaN in row 1
+  bool row0_seen = false;       // row 0 has a finite max before the call (else −∞: nothing seen)
+  int nan_row = -1;             // a NaN at nan_at in this row
+  Index nan_at = 0;
+};
+
+template <class Tag, int kRows, bool kBase2>
+void check_update_rows(const UpdateRowsCase& c) {
+  using Softmax = qkv_test::emulated_pass::OnlineSoftmax<Tag, kBase2>;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const Index ld = n + 21;  // rows further apart than their scores
-  std::mt19937 rng(seed);
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  const Index first = c.first, n = c.n, Dv = c.Dv, ld = n + 21;  // rows further apart than their scores
+  std::mt19937 rng(c.seed);
   std::uniform_real_distribution<float> dist(-12.0f, 12.0f);
   struct State {
     std::vector<float> scores, row_max, row_sum, acc_o;
@@ -696,28 +709,35 @@ void check_update_rows(Index first, Index n, Index Dv, unsigned seed, bool empty
   a.acc_o.resize(static_cast<std::size_t>(kRows * Dv));
   for (auto& x : a.acc_o) x = dist(rng);
   for (int k = 0; k < kRows; ++k) {
-    // Row 0 has seen nothing; the others a max below, within or above the tile's scores.
-    a.row_max[k] = k == 0 ? kNegInf : -20.0f + 15.0f * static_cast<float>(k % 4);
-    a.row_sum[k] = k == 0 ? 0.0f : 1.0f + static_cast<float>(k);
+    // Row 0 has seen nothing unless row0_seen; the others a max below, within or above the tile's scores (|s| ≤ 12).
+    const bool seen = k > 0 || c.row0_seen;
+    a.row_max[k] = seen ? -20.0f + 15.0f * static_cast<float>(k % 4) : kNegInf;
+    a.row_sum[k] = seen ? 1.0f + static_cast<float>(k) : 0.0f;
   }
-  if (empty_row && n > first) {
-    float* row = a.scores.data() + (kRows - 1) * ld;
-    std::fill(row + first, row + n, kNegInf);
+  const auto at = [&](int k, Index j) -> float& { return a.scores[static_cast<std::size_t>(k * ld + j)]; };
+  if (c.empty_row && n > first) {
+    for (Index j = first; j < n; ++j) at(kRows - 1, j) = kNegInf;
+    if (c.special_scores) at(kRows - 1, n - 1) = kNaN;
     a.row_max[kRows - 1] = kNegInf;
     a.row_sum[kRows - 1] = 0.0f;
   }
-  if (special_scores && n > first + 2 && kRows > 1) {
-    a.scores[static_cast<std::size_t>(ld + n - 1)] = std::numeric_limits<float>::quiet_NaN();
-    a.scores[static_cast<std::size_t>(first + 1)] = std::numeric_limits<float>::infinity();
+  if (c.special_scores && n > first + 2 && kRows > 1) {
+    at(1, n - 1) = kNaN;
+    at(0, first + 1) = std::numeric_limits<float>::infinity();
   }
+  if (c.nan_row >= 0 && c.nan_row < kRows && c.nan_at >= first && c.nan_at < n) at(c.nan_row, c.nan_at) = kNaN;
+  const std::vector<float> before = a.scores;
   State b = a;
   Softmax by_rows(a.row_max.data(), a.row_sum.data(), a.row_nan.data(), a.acc_o.data(), Dv);
   for (int k = 0; k < kRows; ++k) by_rows.update(k, a.scores.data() + k * ld, first, n);
   Softmax together(b.row_max.data(), b.row_sum.data(), b.row_nan.data(), b.acc_o.data(), Dv);
   together.template update_rows<kRows>(0, b.scores.data(), ld, first, n);
-  const std::string where = std::to_string(kRows) + " rows, base " + (kBase2 ? "2" : "e") + ", [" +
-                            std::to_string(first) + ", " + std::to_string(n) + "), Dv " + std::to_string(Dv) +
-                            (empty_row ? ", a row of -inf" : "") + (special_scores ? ", NaN and +inf" : "");
+  const std::string where =
+      std::to_string(Tag::kLanes) + " lanes, " + std::to_string(kRows) + " rows, base " + (kBase2 ? "2" : "e") + ", [" +
+      std::to_string(first) + ", " + std::to_string(n) + "), Dv " + std::to_string(Dv) +
+      (c.empty_row ? ", a row of -inf" : "") + (c.special_scores ? ", NaN and +inf" : "") +
+      (c.row0_seen ? ", row 0 seen" : "") +
+      (c.nan_row >= 0 ? ", NaN in row " + std::to_string(c.nan_row) + " at " + std::to_string(c.nan_at) : "");
   const auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
   };
@@ -726,28 +746,76 @@ void check_update_rows(Index first, Index n, Index Dv, unsigned seed, bool empty
   EXPECT_TRUE(same_bits(a.row_sum, b.row_sum)) << where << ": row_sum";
   EXPECT_TRUE(same_bits(a.acc_o, b.acc_o)) << where << ": acc_o";
   EXPECT_EQ(a.row_nan, b.row_nan) << where << ": row_nan";
-  // The check could fail: the rows were changed (weights in [0, 1] or NaN where they were scores).
-  EXPECT_FALSE(n > first && same_bits(a.scores, std::vector<float>(a.scores.size(), 0.0f))) << where;
+  // The comparison sees real work: nothing outside [first, n) was touched, some score changed, and in a row without
+  // NaN every score became a weight in [0, 1] (or NaN, from +∞); a row with a NaN score is NaN in its state (row_nan
+  // or row_sum), so that its output is NaN (its weights are not checked: where the NaN reaches the tile's max, the
+  // row keeps its old max and its weights may exceed 1, in update() as here).
+  bool changed = false;
+  for (int k = 0; k < kRows; ++k) {
+    const float* row = before.data() + k * ld;
+    const bool has_nan = std::any_of(row + first, row + n, [](float x) { return std::isnan(x); });
+    EXPECT_TRUE(!has_nan || b.row_nan[k] || std::isnan(b.row_sum[k])) << where << ": row " << k;
+    for (Index j = 0; j < ld; ++j) {
+      const std::size_t e = static_cast<std::size_t>(k * ld + j);
+      if (j < first || j >= n) {
+        ASSERT_TRUE(same_bits({b.scores[e]}, {before[e]})) << where << ": row " << k << ", column " << j;
+      } else {
+        ASSERT_TRUE(has_nan || std::isnan(b.scores[e]) || (b.scores[e] >= 0.0f && b.scores[e] <= 1.0f))
+            << where << ": row " << k << ", column " << j << ": " << b.scores[e];
+        changed |= !same_bits({b.scores[e]}, {before[e]});
+      }
+    }
+  }
+  EXPECT_TRUE(changed || n == first) << where;
 }
 
-template <bool kBase2>
+template <class Tag, bool kBase2>
 void check_update_rows_cases() {
   for (bool empty_row : {false, true}) {
     for (bool special : {false, true}) {
-      check_update_rows<6, kBase2>(0, 512, 128, 1, empty_row, special);  // a whole tile, D = 128
-      check_update_rows<6, kBase2>(64, 301, 64, 2, empty_row, special);  // past a panel, ending inside a vector
-      check_update_rows<5, kBase2>(0, 37, 80, 3, empty_row, special);    // a tail of 5 scores; Dv off the vectors
-      check_update_rows<3, kBase2>(16, 29, 16, 4, empty_row, special);   // less than one vector
-      check_update_rows<4, kBase2>(0, 1024, 128, 5, empty_row, special);
-      check_update_rows<1, kBase2>(0, 96, 32, 6, empty_row, special);
-      check_update_rows<2, kBase2>(32, 32, 64, 7, empty_row, special);  // an empty range
+      const auto with = [&](Index first, Index n, Index Dv, unsigned seed) {
+        UpdateRowsCase c;
+        c.first = first;
+        c.n = n;
+        c.Dv = Dv;
+        c.seed = seed;
+        c.empty_row = empty_row;
+        c.special_scores = special;
+        return c;
+      };
+      check_update_rows<Tag, 6, kBase2>(with(0, 512, 128, 1));  // a whole tile, D = 128
+      check_update_rows<Tag, 6, kBase2>(with(64, 301, 64, 2));  // past a panel, ending inside a vector
+      check_update_rows<Tag, 5, kBase2>(with(0, 37, 17, 3));    // a tail of 5 scores; Dv off the vectors
+      check_update_rows<Tag, 3, kBase2>(with(16, 29, 72, 4));   // less than one vector
+      check_update_rows<Tag, 4, kBase2>(with(0, 1024, 128, 5));
+      check_update_rows<Tag, 1, kBase2>(with(0, 96, 32, 6));
+      check_update_rows<Tag, 2, kBase2>(with(32, 32, 64, 7));  // an empty range, row 0 unseen: row by row
+      UpdateRowsCase empty = with(32, 32, 64, 8);
+      empty.row0_seen = true;
+      check_update_rows<Tag, 2, kBase2>(empty);  // an empty range, every row seen: together
+    }
+  }
+  // A NaN at each position of a range, in a row that has seen keys (its max may or may not keep the NaN) and in one
+  // that has not (where the NaN reaches the tile's max, the group goes row by row).
+  for (int nan_row : {0, 1}) {
+    for (Index at = 3; at < 40; ++at) {
+      UpdateRowsCase c;
+      c.first = 3;
+      c.n = 40;
+      c.Dv = 24;
+      c.seed = 100 + static_cast<unsigned>(at);
+      c.nan_row = nan_row;
+      c.nan_at = at;
+      check_update_rows<Tag, 4, kBase2>(c);
     }
   }
 }
 
 TEST(Fused, SoftmaxUpdateRowsIsUpdateRowByRow) {
-  check_update_rows_cases<true>();
-  check_update_rows_cases<false>();
+  check_update_rows_cases<qkv_test::Emulated16Tag, true>();
+  check_update_rows_cases<qkv_test::Emulated16Tag, false>();
+  check_update_rows_cases<qkv::simd::BestTag, true>();
+  check_update_rows_cases<qkv::simd::BestTag, false>();
 }
 
 // PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps

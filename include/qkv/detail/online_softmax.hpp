@@ -113,11 +113,16 @@ class OnlineSoftmax {
     finish_update(r, new_max, reduce_sum(Tag(), vsum));
   }
 
-  /// update() for kRows consecutive rows r, r + 1, … whose scores lie `ld` floats apart from `rows` on, their passes
-  /// interleaved: each row's running maxes, exps and sum take the same values in the same order as in update(), so
-  /// the results are the same bits, but the rows' dependency chains (the horizontal max, then that row's exps and
-  /// their sum) overlap instead of running one row after another. A group in which some row has seen no visible key
-  /// goes row by row through update().
+  /// update() for kRows consecutive rows r, r + 1, … (r + kRows ≤ M) whose scores lie `ld` floats apart from `rows`
+  /// on (rows that do not overlap, ld ≥ n − first, and not in this object's state), their passes interleaved: each
+  /// row's running maxes, exps and sum take the same values in the same order as in update(), so the results are the
+  /// same bits, but the rows' dependency chains (the horizontal max, then that row's exps and their sum) overlap
+  /// instead of running one row after another (a prefill at T = 1024, D = 64 spent 9.25 % of its time in update()
+  /// row by row, 8.05 % here: bench/README.md, "2026-12-04, nineteenth session"). A group in which some row's max
+  /// stays −∞ after these scores (no visible key yet, or a NaN that reached the tile's max) goes row by row through
+  /// update(). kRows × 4 running max vectors: 24 at a strip of 6, within AVX-512's 32 registers; AVX2 and the scalar
+  /// tag spill some (measured faster all the same). O(kRows · (n − first)) in two passes, plus O(kRows · Dv) where a
+  /// row's max rose; throws nothing.
   template <int kRows>
   void update_rows(Index r, float* rows, Index ld, Index first, Index n) noexcept {
     using namespace simd;
@@ -206,7 +211,8 @@ class OnlineSoftmax {
   Index Dv_;
 
   /// The end of row r's update to `new_max` (not −∞) with the tile's weights summing to `sum`: rescales row_sum and
-  /// acc_o by exp(old max − new max) if the max rose, then adds the tile's sum.
+  /// acc_o by exp(old max − new max) if the max rose from a finite value (a row's first visible keys rescale
+  /// nothing), then adds the tile's sum. O(Dv); throws nothing.
   void finish_update(Index r, float new_max, float sum) noexcept {
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
