@@ -32,8 +32,8 @@
 #include <omp.h>
 #endif
 
-#include "support/run_fused_with.hpp"  // before the qkv headers (support/emulated_tag.hpp says why)
-// The line above must stay before the qkv headers below.
+#include "support/run_fused_with.hpp"  // the emulated 16-lane tag (its place here: support/emulated_tag.hpp)
+// The line above stays apart from the headers below.
 #include "brute_force.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"

@@ -11,8 +11,8 @@
 // checked on the mask itself: with V the identity (Dv = Skv), out is the dropped weight matrix, so its zeros are the
 // mask, compared exactly. Statistics with fixed seeds: the kept fraction over ≥ 10^6 weights within 4σ of 1 − p, E[out]
 // over offsets within 4σ of the undropped out (σ from the samples).
-#include "support/run_fused_with.hpp"  // first: before the qkv headers (support/emulated_tag.hpp says why)
-// The line above must stay before the qkv headers below.
+#include "support/run_fused_with.hpp"  // the emulated 16-lane tag (its place here: support/emulated_tag.hpp)
+// The line above stays apart from the headers below.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -10,8 +10,8 @@
 // Every case runs on two kernels against the same float64 and plain float results: the one isa.hpp chose (through
 // qkv::attention) and the kernel instantiated on the emulated 16-lane tag (support/emulated_tag.hpp), so that
 // AVX-512's tile shapes, tails and masks run on any CPU (QKV_SKIP_EMULATED=1 leaves the latter out).
-#include "support/run_fused_with.hpp"  // first: before the qkv headers (support/emulated_tag.hpp says why)
-// The line above must stay before the qkv headers below.
+#include "support/run_fused_with.hpp"  // the emulated 16-lane tag (its place here: support/emulated_tag.hpp)
+// The line above stays apart from the headers below.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -13,8 +13,8 @@
 // Every grid case runs on the kernel isa.hpp chose (qkv::attention), on the kernel instantiated on the emulated 16-lane
 // tag (AVX-512's tile shapes on any CPU; support/emulated_tag.hpp) and on the reference backend; Kv16PerTag runs every
 // compiled kernel copy. Run it also with QKV_ISA=scalar (and avx2) to put the dispatched calls on the other kernels.
-#include "support/run_fused_with.hpp"  // first: before the qkv headers (support/emulated_tag.hpp says why)
-// The line above must stay before the qkv headers below.
+#include "support/run_fused_with.hpp"  // the emulated 16-lane tag (its place here: support/emulated_tag.hpp)
+// The line above stays apart from the headers below.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -20,14 +20,13 @@
 // FMA in the flags: without it the emulated copy's scalar code (score finishing, lse) does not fuse the multiply-adds
 // the AVX-512 copy fuses, and its last bits may differ.
 //
-// How the kernel finds the ops: the kernel calls most ops unqualified (`using namespace simd;`), and argument-dependent
-// lookup finds these in qkv_test, the namespace of Vec16 and of the tag, wherever this header is included. But the
-// online softmax calls `simd::exp2(Tag(), x)` and `simd::exp(Tag(), x)` qualified, which sees only what namespace
-// qkv::simd holds where the kernel's rooms are compiled. So every op is also declared in qkv::simd (using-declarations
-// at the end), and a translation unit that runs the kernel on this tag includes this header (or
-// support/run_fused_with.hpp) before any qkv header that includes qkv/detail/dispatch.hpp (qkv/attention.hpp and
-// everything above it). Out of order, the build stops in online_softmax.hpp: "no matching function for call to
-// 'exp2(qkv_test::...::Emulated16Tag, ...)'". The same declarations let test_simd call qkv::simd::op(Tag(), ...).
+// How the kernel finds the ops: the kernel calls every op unqualified (`using namespace simd;`; the online softmax's
+// exp and exp2 too), and argument-dependent lookup finds these in qkv_test, the namespace of Vec16 and of the tag,
+// at instantiation, wherever this header is included. Every op is also declared in qkv::simd (using-declarations at the
+// end), for test_simd's qualified calls qkv::simd::op(Tag(), ...). The tests include this header (through
+// support/run_fused_with.hpp) before the qkv headers, a rule from when the online softmax called simd::exp2
+// qualified; it no longer matters (test_fused, test_backward, test_dropout and test_kv16 compiled with it after the
+// qkv headers, clang++ 14 and g++ 12, 2026-12-04).
 #pragma once
 
 #include <algorithm>

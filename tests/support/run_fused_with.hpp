@@ -1,12 +1,9 @@
 // tests/support/run_fused_with.hpp — the fused kernel on a chosen SIMD tag: a compiled kernel copy (dispatch.hpp's
 // run_fused_as) or the emulated 16-lane tag (support/emulated_tag.hpp), whose kernel is instantiated here.
-//
-// Include it before any qkv header that includes qkv/detail/dispatch.hpp (qkv/attention.hpp and every header above
-// it): emulated_tag.hpp says why.
 #pragma once
 
 #include "support/emulated_tag.hpp"
-// The line above must stay before the qkv headers below.
+// The emulated tag's ops first, as the tests have them (emulated_tag.hpp: the order no longer matters).
 #include "qkv/attention.hpp"
 #include "qkv/detail/attention_params.hpp"
 #include "qkv/detail/attention_shape.hpp"
