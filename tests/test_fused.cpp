@@ -673,8 +673,8 @@ TEST(Fused, PackKeysTransposesEveryKeyIntoItsPanel) {
 }
 
 // OnlineSoftmax::update_rows (online_softmax.hpp), which the prefill calls for a strip's rows at once, against
-// update() called row by row on a copy of the same state: the weights written in place, row_max, row_sum, row_nan and
-// acc_o must be the same bits. Rows whose max rises (acc_o rescaled) or does not, rows that have seen no key yet, a
+// update() (update_rows<1>) called row by row on a copy of the same state: the weights written in place, row_max,
+// row_sum, row_nan and acc_o must be the same bits. Rows whose max rises (acc_o rescaled) or does not, rows that have seen no key yet, a
 // row of only −∞ (the group then goes row by row) and one of −∞ and NaN (row_nan set), a +∞ score, a NaN at every
 // position of a short range (where the tag's max keeps it, it reaches the tile's max), ranges that start past 0 and
 // end inside a vector, Dv off the vectors, and an empty range; in base 2 and base e, on the emulated 16-lane tag and

@@ -68,67 +68,29 @@ class OnlineSoftmax {
   /// Turns the scores row[first, n) of row r (hidden keys −∞) into weights exp(s − row_max) in place and adds them
   /// to row_sum (the vector exp throughout: the last (n − first) mod L scores as one masked vector, tail_vector);
   /// rescales row_sum and acc_o by exp(old max − new max) when the max rose. While the row has seen no visible key,
-  /// its weights are 0 and a NaN among them is remembered (max would lose it).
-  void update(Index r, float* row, Index first, Index n) noexcept {
-    using namespace simd;
-    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    constexpr int L = Tag::kLanes;
-    const Index n_vec = first + (n - first) / L * L;
-    // Four running maxes, so that the loop is not one chain of dependent maxps (a max is exact in any order).
-    auto vmax0 = set1(Tag(), kNegInf), vmax1 = vmax0, vmax2 = vmax0, vmax3 = vmax0;
-    Index j = first;
-    for (; j + 4 * L <= n_vec; j += 4 * L) {
-      vmax0 = max(vmax0, load(Tag(), row + j));
-      vmax1 = max(vmax1, load(Tag(), row + j + L));
-      vmax2 = max(vmax2, load(Tag(), row + j + 2 * L));
-      vmax3 = max(vmax3, load(Tag(), row + j + 3 * L));
-    }
-    for (; j < n_vec; j += L) vmax0 = max(vmax0, load(Tag(), row + j));
-    // The last n − n_vec < L scores as one vector whose other lanes are −∞ (a causal diagonal strip ends anywhere):
-    // their exp is 0 in either base and adds nothing, and no scalar exp runs.
-    const int tail = static_cast<int>(n - n_vec);
-    const auto v_tail = tail > 0 ? tail_vector(row + n_vec, tail) : set1(Tag(), kNegInf);
-    const float tile_max = reduce_max(Tag(), max(max(max(vmax0, vmax1), max(vmax2, vmax3)), v_tail));
-    const float old_max = row_max_[r];
-    const float new_max = std::max(old_max, tile_max);
-    if (new_max == kNegInf) {
-      for (Index jj = first; jj < n; ++jj) {
-        if (std::isnan(row[jj])) row_nan_[r] = 1;
-        row[jj] = 0.0f;
-      }
-      return;
-    }
-    const auto vm = set1(Tag(), new_max);
-    auto vsum = zero(Tag());
-    for (Index jj = first; jj < n_vec; jj += L) {
-      const auto e = vector_exp(sub(load(Tag(), row + jj), vm));
-      store(Tag(), row + jj, e);
-      vsum = add(vsum, e);
-    }
-    if (tail > 0) {
-      const auto e = vector_exp(sub(v_tail, vm));
-      store_partial(Tag(), row + n_vec, e, tail);
-      vsum = add(vsum, e);
-    }
-    finish_update(r, new_max, reduce_sum(Tag(), vsum));
-  }
+  /// its weights are 0 and a NaN among them is remembered (max would lose it). update_rows for one row. O(n − first),
+  /// plus O(Dv) where the max rose; throws nothing.
+  void update(Index r, float* row, Index first, Index n) noexcept { update_rows<1>(r, row, 0, first, n); }
 
   /// update() for kRows consecutive rows r, r + 1, … (r + kRows ≤ M) whose scores lie `ld` floats apart from `rows`
   /// on (rows that do not overlap, ld ≥ n − first, and not in this object's state), their passes interleaved: each
-  /// row's running maxes, exps and sum take the same values in the same order as in update(), so the results are the
-  /// same bits, but the rows' dependency chains (the horizontal max, then that row's exps and their sum) overlap
-  /// instead of running one row after another (a prefill at T = 1024, D = 64 spent 9.25 % of its time in update()
-  /// row by row, 8.05 % here: bench/README.md, "2026-12-04, nineteenth session"). A group in which some row's max
-  /// stays −∞ after these scores (no visible key yet, or a NaN that reached the tile's max) goes row by row through
-  /// update(). kRows × 4 running max vectors: 24 at a strip of 6, within AVX-512's 32 registers; AVX2 and the scalar
-  /// tag spill some (measured faster all the same). O(kRows · (n − first)) in two passes, plus O(kRows · Dv) where a
-  /// row's max rose; throws nothing.
+  /// row's four running maxes (so that the max pass is not one chain of dependent maxes), exps and sum take the same
+  /// values in the same order whatever kRows is, so the results are the same bits as one row at a time, but the
+  /// rows' dependency chains (the horizontal max, then that row's exps and their sum) overlap instead of running one
+  /// row after another (a prefill at T = 1024, D = 64 spent 9.25 % of its time in its rows one at a time, 8.05 % in
+  /// strips of 6: bench/README.md, "2026-12-04, nineteenth session"). A group in which some row's max stays −∞ after
+  /// these scores (no visible key yet, or a NaN that reached the tile's max) goes one row at a time. kRows × 4
+  /// running max vectors: 24 at a strip of 6, within AVX-512's 32 registers; AVX2 and the scalar tag spill some
+  /// (measured faster all the same). O(kRows · (n − first)) in two passes, plus O(kRows · Dv) where a row's max
+  /// rose; throws nothing.
   template <int kRows>
   void update_rows(Index r, float* rows, Index ld, Index first, Index n) noexcept {
     using namespace simd;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     constexpr int L = Tag::kLanes;
     const Index n_vec = first + (n - first) / L * L;
+    // The last n − n_vec < L scores as one vector whose other lanes are −∞ (a causal diagonal strip ends anywhere):
+    // their exp is 0 in either base and adds nothing, and no scalar exp runs.
     const int tail = static_cast<int>(n - n_vec);
     Vec vmax[4][kRows];
     QKV_UNROLL for (int a = 0; a < 4; ++a) {
@@ -155,7 +117,11 @@ class OnlineSoftmax {
       vm[k] = set1(Tag(), new_max[k]);
     }
     if (any_empty) {
-      for (int k = 0; k < kRows; ++k) update(r + k, rows + k * ld, first, n);
+      if constexpr (kRows == 1) {
+        no_visible_key(r, rows, first, n);
+      } else {
+        for (int k = 0; k < kRows; ++k) update_rows<1>(r + k, rows + k * ld, ld, first, n);
+      }
       return;
     }
     Vec vsum[kRows];
@@ -209,6 +175,15 @@ class OnlineSoftmax {
   char* row_nan_;
   float* acc_o_;
   Index Dv_;
+
+  /// Row r's scores row[first, n) while its max stays −∞ (no visible key yet): weights 0, and a NaN among them
+  /// remembered in row_nan (max would lose it). O(n − first).
+  void no_visible_key(Index r, float* row, Index first, Index n) noexcept {
+    for (Index j = first; j < n; ++j) {
+      if (std::isnan(row[j])) row_nan_[r] = 1;
+      row[j] = 0.0f;
+    }
+  }
 
   /// The end of row r's update to `new_max` (not −∞) with the tile's weights summing to `sum`: rescales row_sum and
   /// acc_o by exp(old max − new max) if the max rose from a finite value (a row's first visible keys rescale
