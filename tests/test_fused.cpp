@@ -323,6 +323,74 @@ TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {
   }
 }
 
+TEST(Fused, PrefillValuesReadInPlaceHideTheirNaNs) {
+  // Float V whose rows abut and are one chunk of whole vectors wide (values_packed_as_stored: Dv = 16 or 64 on
+  // AVX-512 and the emulated tag, 16 on AVX2) is read in place, not packed; its finiteness counts then come from
+  // count_nonfinite_values. NaN and ±∞ values of keys hidden by `allowed` must not reach the output, as when V is
+  // packed (Dv = 24, 72: packed on every tag): with all other values 1, every output is exactly 1. Sq = 40 > 16 rows,
+  // so the prefill kernel; the poisoned keys fall in the first and in a later group of 64 keys.
+  for (const Index Dv : {Index(16), Index(24), Index(64), Index(72)}) {
+    const Index Sq = 40, Skv = 150, D = 16;
+    Case c{{1, 1, 1, Sq, Skv, D, Dv}};
+    c.allowed.assign(static_cast<std::size_t>(Skv), 1);
+    const Index hidden[] = {3, 64, 100, 149};
+    for (const Index j : hidden) c.allowed[static_cast<std::size_t>(j)] = 0;
+    c.options.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(c.allowed.data()), {1, 1, 1, Skv});
+    c.options.backend = qkv::Backend::fused;
+    std::vector<float> q(static_cast<std::size_t>(Sq * D), 0.5f), k(static_cast<std::size_t>(Skv * D), 0.25f),
+        v(static_cast<std::size_t>(Skv * Dv), 1.0f);
+    const float poison[] = {std::nanf(""), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), std::nanf("")};
+    for (int h = 0; h < 4; ++h) {
+      for (Index d = 0; d < Dv; ++d) v[static_cast<std::size_t>(hidden[h] * Dv + d)] = poison[h];
+    }
+    for (Kernel kernel : kKernels) {
+      if (kernel == Kernel::emulated16 && skip_emulated()) continue;
+      std::vector<float> out(static_cast<std::size_t>(Sq * Dv), 0.0f);
+      run_kernel(kernel, qkv::view_bhsd<const float>(q.data(), 1, 1, Sq, D),
+                 qkv::view_bhsd<const float>(k.data(), 1, 1, Skv, D),
+                 qkv::view_bhsd<const float>(v.data(), 1, 1, Skv, Dv), qkv::view_bhsd(out.data(), 1, 1, Sq, Dv),
+                 nullptr, c.options);
+      for (float x : out) ASSERT_EQ(x, 1.0f) << kernel_name(kernel) << ", Dv " << Dv;
+    }
+  }
+}
+
+// count_nonfinite_values (V read in place) leaves the counts pack_values leaves; values_packed_as_stored says when
+// V's packed layout is V itself.
+TEST(Fused, CountNonfiniteValuesIsPackValuesCounts) {
+  using Tag = qkv_test::Emulated16Tag;
+  namespace pass = qkv_test::emulated_pass;
+  for (const Index skv : {Index(1), Index(63), Index(64), Index(200)}) {
+    const Index Dv = 64;
+    std::vector<float> v(static_cast<std::size_t>(skv * Dv));
+    std::mt19937 rng(static_cast<unsigned>(skv));
+    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+    for (auto& x : v) x = dist(rng);
+    std::uint32_t poisoned = 0;
+    for (const Index j : {Index(0), Index(62), Index(64), Index(131), Index(199)}) {
+      if (j >= skv) continue;
+      v[static_cast<std::size_t>(j * Dv + (j * 7) % Dv)] =
+          j % 2 ? std::nanf("") : -std::numeric_limits<float>::infinity();
+      ++poisoned;
+    }
+    std::vector<std::uint32_t> packed_counts(static_cast<std::size_t>(skv + 1), 99u), counts = packed_counts;
+    std::vector<float> packed(static_cast<std::size_t>(skv * Dv)), row(static_cast<std::size_t>(Dv));
+    pass::pack_values<Tag>(v.data(), Dv, skv, Dv, packed.data(), row.data(), packed_counts.data());
+    pass::count_nonfinite_values<Tag>(v.data(), Dv, skv, Dv, counts.data());
+    EXPECT_EQ(counts, packed_counts) << "skv " << skv;
+    EXPECT_EQ(std::memcmp(packed.data(), v.data(), v.size() * sizeof(float)), 0) << "the same layout, skv " << skv;
+    EXPECT_EQ(counts[static_cast<std::size_t>(skv)], poisoned) << "skv " << skv;
+  }
+  EXPECT_TRUE((pass::values_packed_as_stored<Tag, float>(64, 64)));
+  EXPECT_TRUE((pass::values_packed_as_stored<Tag, float>(16, 16)));
+  EXPECT_FALSE((pass::values_packed_as_stored<Tag, float>(128, 64)));  // rows apart (token-major)
+  EXPECT_FALSE((pass::values_packed_as_stored<Tag, float>(72, 72)));   // two chunks
+  EXPECT_FALSE((pass::values_packed_as_stored<Tag, float>(24, 24)));   // a chunk padded to whole vectors
+  EXPECT_FALSE((pass::values_packed_as_stored<Tag, float>(0, 0)));
+  EXPECT_FALSE((pass::values_packed_as_stored<Tag, Eigen::half>(64, 64)));  // converted to float
+}
+
 TEST(Fused, DecodeShapesWithEveryOption) {
   // Sq·G ≤ 16 reads K in place; long key ranges split into chunks. Every option, several seeds.
   std::mt19937 rng(4242);
@@ -486,8 +554,9 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
 
 TEST(Fused, KeepsThePackedKeysAndValuesBetweenCallsUntilReleased) {
   if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
-  // T = 256, 2 heads, D = 64: the packed K and V are 128 KiB each (no padding at these sizes on any tag).
-  const Index T = 256, H = 2, D = 64;
+  // T = 256, 2 heads, D = 96: the packed K and V are 192 KiB each (no padding at these sizes on any tag; V wider than
+  // one chunk on every tag, so packed, not read in place as at D = 64 on AVX-512: values_packed_as_stored).
+  const Index T = 256, H = 2, D = 96;
   const std::size_t n = static_cast<std::size_t>(H * T * D);
   std::vector<float> q(n), k1(n), k2(n), v1(n), v2(n), out(n), first(n), again(n);
   for (std::size_t i = 0; i < n; ++i) {  // two different K/V of one shape, so a stale packed copy would show

@@ -122,6 +122,19 @@ float pack_keys(const S* k, Index ld, Index skv, Index D, float* packed, float* 
   return abs_max;
 }
 
+/// Rows per finiteness check of pack_values and count_nonfinite_values.
+inline constexpr Index kCheckKeys = 64;
+
+/// nonfinite[g + 1] = 1 for each row g in [g0, g1) of `width` values (`ld` apart from v) holding ±∞ or NaN: the rows
+/// checked at once, and a group that is not all finite row by row (rare).
+template <class Tag, class S>
+void mark_nonfinite(const S* v, Index ld, Index g0, Index g1, Index width, std::uint32_t* nonfinite) noexcept {
+  if (all_finite<Tag>(v + g0 * ld, g1 - g0, width, ld)) return;
+  for (Index g = g0; g < g1; ++g) {
+    if (!all_finite<Tag>(v + g * ld, 1, width, ld)) nonfinite[g + 1] = 1;
+  }
+}
+
 /// Packs the first `skv` values (rows of Dv elements stored as S, `ld` apart) into column chunks laid out
 /// [chunk][key][kChunk]: P·V then streams each chunk of a tile as one contiguous block (V read in place crosses a
 /// 4 KiB page every few keys, where the hardware prefetchers stop). The last chunk, where Dv is not a multiple of
@@ -136,7 +149,6 @@ template <class Tag, class S>
 void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float* row,
                  std::uint32_t* nonfinite = nullptr) noexcept {
   constexpr Index kChunk = FusedTiles<Tag>::kChunk;
-  constexpr Index kCheckKeys = 64;  // keys per finiteness check
   if (nonfinite != nullptr) std::fill(nonfinite, nonfinite + skv + 1, 0u);
   for (Index c = 0; c < Dv; c += kChunk) {
     const Index width = std::min(kChunk, Dv - c), stride = FusedTiles<Tag>::chunk_floats(width);
@@ -145,21 +157,34 @@ void pack_values(const S* v, Index ld, Index skv, Index Dv, float* packed, float
       const float* src = row_as_float<Tag>(v + j * ld + c, width, row);
       for (Index d = 0; d < width; ++d) dst[j * stride + d] = src[d];
       for (Index d = width; d < stride; ++d) dst[j * stride + d] = 0.0f;
-      // The last kCheckKeys rows just copied, still in cache, checked at once; a group that is not all finite, key
-      // by key (rare).
+      // The last kCheckKeys rows just copied, still in cache, checked at once.
       if (nonfinite != nullptr && ((j + 1) % kCheckKeys == 0 || j + 1 == skv)) {
-        const Index g0 = j / kCheckKeys * kCheckKeys;
-        if (!all_finite<Tag>(v + g0 * ld + c, j + 1 - g0, width, ld)) {
-          for (Index g = g0; g <= j; ++g) {
-            if (!all_finite<Tag>(v + g * ld + c, 1, width, ld)) nonfinite[g + 1] = 1;
-          }
-        }
+        mark_nonfinite<Tag>(v + c, ld, j / kCheckKeys * kCheckKeys, j + 1, width, nonfinite);
       }
     }
   }
   if (nonfinite != nullptr) {
     for (Index j = 0; j < skv; ++j) nonfinite[j + 1] += nonfinite[j];
   }
+}
+
+/// Whether V's packed layout (pack_values) is V itself, so that the prefill can read it in place: float rows of one
+/// chunk whose width is whole vectors (Dv ≤ kChunk, a multiple of the lanes; on AVX-512 Dv = 16, 32, 48 or 64) that
+/// abut (`ld` == Dv). Then a copy would only move the same floats to the same layout.
+template <class Tag, class S>
+constexpr bool values_packed_as_stored(Index ld, Index Dv) noexcept {
+  return std::is_same_v<S, float> && Dv > 0 && Dv <= FusedTiles<Tag>::kChunk &&
+         FusedTiles<Tag>::chunk_floats(Dv) == Dv && ld == Dv;
+}
+
+/// pack_values' counts of non-finite rows without its copy, for V read in place (values_packed_as_stored): the
+/// first skv + 1 entries of `nonfinite` as pack_values leaves them. Complexity: one read of the skv · Dv values.
+template <class Tag, class S>
+void count_nonfinite_values(const S* v, Index ld, Index skv, Index Dv, std::uint32_t* nonfinite) noexcept {
+  std::fill(nonfinite, nonfinite + skv + 1, 0u);
+  for (Index g0 = 0; g0 < skv; g0 += kCheckKeys)
+    mark_nonfinite<Tag>(v, ld, g0, std::min(skv, g0 + kCheckKeys), Dv, nonfinite);
+  for (Index j = 0; j < skv; ++j) nonfinite[j + 1] += nonfinite[j];
 }
 
 /// K and V of every prefill sequence of a call, packed once per (sequence, kv head) with the largest finite |k| of
@@ -191,13 +216,15 @@ class PackedKV {
       const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
       const bool skip = decode[static_cast<std::size_t>(b)] != 0;
       const Index floats = skip ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape.D;
-      const Index value_floats = skip ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
+      const bool in_place = values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv);
+      const Index value_floats = skip || in_place ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
       for (Index h = 0; h < shape.Hkv; ++h) {
         key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + floats;
         value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + value_floats;
         nonfinite_offset_[index(b, h) + 1] = nonfinite_offset_[index(b, h)] + (skip ? 0 : skv + 1);
       }
     }
+    values_in_place_.assign(static_cast<std::size_t>(n), nullptr);
     nonfinite_.resize(static_cast<std::size_t>(std::max<Index>(1, nonfinite_offset_.back())));
     keys_.resize(static_cast<std::size_t>(std::max<Index>(1, key_offset_.back())));
     values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_offset_.back())));
@@ -219,7 +246,11 @@ class PackedKV {
         const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
         key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
                                                       keys_.data() + key_offset_[index(b, h_kv)], row.data());
-        if (shape.Dv > 0) {
+        if (shape.Dv > 0 && values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv)) {
+          if constexpr (std::is_same_v<S, float>) values_in_place_[index(b, h_kv)] = &v(vb, h_kv, row0, 0);
+          count_nonfinite_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
+                                      nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
+        } else if (shape.Dv > 0) {
           pack_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
                            values_.data() + value_offset_[index(b, h_kv)], row.data(),
                            nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
@@ -228,9 +259,13 @@ class PackedKV {
     }
   }
 
-  /// The packed K panels, the packed V chunks and the largest finite |k| of sequence b's kv head h_kv.
+  /// The packed K panels, the packed V chunks (V itself where values_packed_as_stored: then V must outlive the call
+  /// only, as it does) and the largest finite |k| of sequence b's kv head h_kv.
   const float* keys(Index b, Index h_kv) const noexcept { return keys_.data() + key_offset_[index(b, h_kv)]; }
-  const float* values(Index b, Index h_kv) const noexcept { return values_.data() + value_offset_[index(b, h_kv)]; }
+  const float* values(Index b, Index h_kv) const noexcept {
+    const float* in_place = values_in_place_[index(b, h_kv)];
+    return in_place != nullptr ? in_place : values_.data() + value_offset_[index(b, h_kv)];
+  }
   float key_abs_max(Index b, Index h_kv) const noexcept { return key_abs_max_[index(b, h_kv)]; }
   /// Whether the values of keys [j0, j1) of sequence b's kv head h_kv (0 ≤ j0 ≤ j1 ≤ its key count, Dv > 0) are all
   /// finite: all_finite over those rows of V, answered from the counts pack_values kept. O(1).
@@ -249,6 +284,7 @@ class PackedKV {
   AlignedBuffer& values_ = loan_.second();
   std::vector<Index> key_offset_, value_offset_, nonfinite_offset_;
   std::vector<float> key_abs_max_;
+  std::vector<const float*> values_in_place_;  ///< per (sequence, kv head): V itself where it is its packed layout
   std::vector<std::uint32_t> nonfinite_;  ///< per (sequence, kv head): skv + 1 counts of non-finite value rows
 };
 
