@@ -555,7 +555,8 @@ TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
 TEST(Fused, KeepsThePackedKeysAndValuesBetweenCallsUntilReleased) {
   if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
   // T = 256, 2 heads, D = 96: the packed K and V are 192 KiB each (no padding at these sizes on any tag; V wider than
-  // one chunk on every tag, so packed, not read in place as at D = 64 on AVX-512: values_packed_as_stored).
+  // one chunk on every tag, so packed, not read in place as at D = 64 on AVX-512: values_packed_as_stored; the
+  // test below calls D = 64).
   const Index T = 256, H = 2, D = 96;
   const std::size_t n = static_cast<std::size_t>(H * T * D);
   std::vector<float> q(n), k1(n), k2(n), v1(n), v2(n), out(n), first(n), again(n);
@@ -585,6 +586,36 @@ TEST(Fused, KeepsThePackedKeysAndValuesBetweenCallsUntilReleased) {
   for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(std::memcmp(&first[i], &again[i], sizeof(float)), 0) << i;
   qkv::release_workspace();
   EXPECT_EQ(call(k1, v1, out).bytes, fresh.bytes);  // released: allocated afresh
+}
+
+// V read in place (D = 64: values_packed_as_stored on AVX-512) while the packed K is kept between calls: a call on
+// other K and V of the same shape, then the first K and V again, gives the first call's bits, so nothing of the
+// earlier call's V (its rows, its finiteness counts) is used by the next.
+TEST(Fused, ValuesReadInPlaceAreNeverTheLastCallsValues) {
+  const Index T = 256, H = 2, D = 64;
+  const std::size_t n = static_cast<std::size_t>(H * T * D);
+  std::vector<float> q(n), k1(n), k2(n), v1(n), v2(n), first(n), between(n), again(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    q[i] = 0.01f * float(i % 97) - 0.4f;
+    k1[i] = 0.02f * float(i % 89) - 0.8f;
+    k2[i] = 0.03f * float(i % 83) - 1.1f;
+    v1[i] = float(i % 13);
+    v2[i] = float(i % 7) - 3.0f;
+  }
+  for (Index d = 0; d < D; ++d) v2[static_cast<std::size_t>(5 * D + d)] = std::nanf("");  // key 5 of head 0
+  qkv::AttentionOptions<float> o;
+  o.backend = qkv::Backend::fused;
+  const auto call = [&](const std::vector<float>& k, const std::vector<float>& v, std::vector<float>& result) {
+    qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, H, T, D), qkv::view_bhsd<const float>(k.data(), 1, H, T, D),
+                   qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(result.data(), 1, H, T, D), o);
+  };
+  qkv::release_workspace();
+  call(k1, v1, first);
+  call(k2, v2, between);
+  call(k1, v1, again);
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(std::memcmp(&first[i], &again[i], sizeof(float)), 0) << i;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(T * D); ++i) ASSERT_TRUE(std::isnan(between[i])) << i;
+  for (float x : first) ASSERT_TRUE(std::isfinite(x));
 }
 
 // Every kernel the build compiled (runtime dispatch: scalar, AVX2 and AVX-512 in a plain build) and the emulated
