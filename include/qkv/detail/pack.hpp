@@ -3,7 +3,8 @@
 //
 //   K: panels of kPanel = kVectors·lanes keys, [panel][d][key], the last panel zero-padded;
 //   V: chunks of kChunk columns, [chunk][key][kChunk]; the last chunk only as wide as whole vectors need
-//   (FusedTiles::chunk_floats), its columns past Dv zero-padded.
+//   (FusedTiles::chunk_floats), its columns past Dv zero-padded. Where that layout is V itself (float rows that abut,
+//   one chunk of whole vectors wide: values_packed_as_stored), V is not copied and the prefill reads it in place.
 //
 // Decoding sequences are not packed (decode_kernels.hpp reads K and V in place).
 //
@@ -208,6 +209,7 @@ class PackedKV {
             const std::vector<char>& decode) {
     Hkv_ = shape.Hkv;
     const Index n = shape.n_sequences * shape.Hkv;
+    const bool values_in_place = values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv);  // the same for every pair
     key_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     value_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     key_abs_max_.assign(static_cast<std::size_t>(n), 0.0f);
@@ -216,8 +218,7 @@ class PackedKV {
       const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
       const bool skip = decode[static_cast<std::size_t>(b)] != 0;
       const Index floats = skip ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape.D;
-      const bool in_place = values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv);
-      const Index value_floats = skip || in_place ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
+      const Index value_floats = skip || values_in_place ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
       for (Index h = 0; h < shape.Hkv; ++h) {
         key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + floats;
         value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + value_floats;
@@ -246,7 +247,7 @@ class PackedKV {
         const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
         key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
                                                       keys_.data() + key_offset_[index(b, h_kv)], row.data());
-        if (shape.Dv > 0 && values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv)) {
+        if (values_in_place) {  // implies Dv > 0
           if constexpr (std::is_same_v<S, float>) values_in_place_[index(b, h_kv)] = &v(vb, h_kv, row0, 0);
           count_nonfinite_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
                                       nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
