@@ -412,6 +412,33 @@ TEST(Fused, DecodeShapesWithEveryOption) {
   }
 }
 
+TEST(Fused, DecodeAtTheUnrolledHeadDims) {
+  // Head-major decoding compiles its micro-kernels for D (and Dv) = 64 and 128 with the column loops unrolled
+  // (decode_kernels.hpp, with_head_dim) and keeps the runtime loop for any other head_dim: both, mixed within one call
+  // (D unrolled, Dv not, and the reverse), with 1, 3 and 4 query rows per kv head (qk_in_place's R), against the
+  // float64 reference. Skv = 1027 leaves a block of 3 keys (a pair and one key after the whole steps) and 2053 one key
+  // after a split-K chunk; key_lengths end the keys mid-step.
+  const std::pair<Index, Index> dims[] = {{64, 64}, {128, 128}, {128, 64}, {64, 128}, {128, 80}, {80, 128}, {72, 64}};
+  int trial = 0;
+  for (const auto& [D, Dv] : dims) {
+    for (const Index group : {1, 3, 4}) {
+      for (const Index skv : {Index(1027), Index(2053)}) {
+        Case c;
+        c.B = 2;
+        c.Hkv = 2;
+        c.Hq = c.Hkv * group;
+        c.Sq = 1;
+        c.Skv = skv;
+        c.D = D;
+        c.Dv = Dv;
+        if (trial % 2 == 1) c.options.key_lengths = {skv - 6, 3};
+        check_case(c, static_cast<unsigned>(trial++));
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 TEST(Fused, PrefillOfOneQueryTileSplitK) {
   // A prefill of one query tile (kDecodeRows < Sq·G ≤ kBlockM stacked rows) against more keys than a split-K chunk
   // (kSplitKeys): its chunks run as tasks of their own, each packed and in base 2, and merge by lse (split_k.hpp).

@@ -156,6 +156,15 @@
 #define QKV_UNROLL
 #endif
 
+/// Makes a function or a lambda's call operator inline wherever it is called (after a lambda's parameter list): the
+/// column loops of the decoding micro-kernels, whose lambda bodies hold their accumulators in registers only when
+/// inlined.
+#if defined(__GNUC__)
+#define QKV_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define QKV_ALWAYS_INLINE
+#endif
+
 /// Asks the compiler not to unroll the next loop: a loop of prefetches a few iterations long, which clang++ 14 at -O3
 /// unrolls eightfold behind a remainder loop (g++ does not unroll without -funroll-loops).
 #if defined(__clang__)

@@ -4,7 +4,8 @@
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
 // values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range; a task over token-major
 // K and V also hands them a PrefetchCursor, whose whole rows ahead they issue a share per step. Per key and kv head
-// (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs.
+// (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. A head-major task's micro-kernels are also
+// compiled for D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
@@ -118,6 +119,35 @@ class PrefetchCursor {
   Index ld_ = 0, per_row_ = 1, row_ = 0, line_ = 0, left_ = 0, per_step_ = 0;
 };
 
+/// Calls f(std::integral_constant<Index, n>()) where n (D or Dv) is 64 or 128 and Tag is a vector tag, else
+/// f(std::integral_constant<Index, 0>()) (n read at run time): the head-major decoding micro-kernels are compiled for
+/// those two head_dims besides any, with their loops over a row's vector columns unrolled completely
+/// (for_each_column). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, Skv = 32768, one thread, paired against the
+/// loop over D at run time), head-major decode from DRAM took 0.89–0.90 of the time at D = 128 (clang++ and g++;
+/// f16 0.84, bf16 0.83, clang++'s AVX2 build 0.95) and 0.83 at D = 64. The token-major (grouped) task keeps the
+/// runtime loop: unrolled, its float decode took 1.03 of the time and its f16 decode 1.08 (bench/README.md,
+/// "2026-12-04, twenty-first session").
+template <class Tag, class F>
+inline void with_head_dim(Index n, F&& f) {
+  if constexpr (Tag::kLanes >= 8) {
+    if (n == 128) return f(std::integral_constant<Index, 128>());
+    if (n == 64) return f(std::integral_constant<Index, 64>());
+  }
+  f(std::integral_constant<Index, 0>());
+}
+
+/// Calls column(d) for d = 0, L, 2L, … below `full`, the whole vectors of a row: unrolled completely where the
+/// head_dim kDim is known at compile time (then `full` is kDim / L · L), a loop otherwise. column must be inlined
+/// (QKV_ALWAYS_INLINE after its parameter list), or its accumulators leave the registers.
+template <Index kDim, int L, class F>
+QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
+  if constexpr (kDim > 0) {
+    QKV_UNROLL for (Index d = 0; d < kDim / L * L; d += L) column(d);
+  } else {
+    for (Index d = 0; d < full; d += L) column(d);
+  }
+}
+
 /// Keys per step of qk_in_place (its NK) and of pv_in_place (its NV): what a PrefetchCursor's steps count.
 template <class Tag>
 inline constexpr Index kQkKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
@@ -131,12 +161,14 @@ template <class Tag, class S>
 inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : kPvKeysPerStep<Tag>;
 
 /// qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor (kPaced): a
-/// head-major task has none, and its loop then keeps its pointers in registers.
-template <class Tag, int R, bool kPaced, class S>
-inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
+/// head-major task has none, and its loop then keeps its pointers in registers. kDim: D where with_head_dim compiles
+/// it in, else 0 (D read at run time).
+template <class Tag, int R, bool kPaced, Index kDim, class S>
+inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index d_runtime, float* s, Index lds,
                      PrefetchCursor<S>* ahead) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
+  const Index D = kDim > 0 ? kDim : d_runtime;
   constexpr int L = Tag::kLanes;
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
   constexpr int NK = static_cast<int>(kQkKeysPerStep<Tag>);
@@ -153,7 +185,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
-    for (Index d = 0; d < d_full; d += L) {
+    for_each_column<kDim, L>(d_full, [&](Index d) QKV_ALWAYS_INLINE {
       if constexpr (kPaced) run.issue_next();
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) {
@@ -165,7 +197,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
         keep_in_register(Tag(), qv);
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
-    }
+    });
     if (tail > 0) {
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) kv[c] = load_kv_partial(Tag(), key + c * ldk + d_full, tail);
@@ -216,32 +248,35 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
-/// FMAs.
+/// FMAs; without it, at D = 64 and 128, the loop over d is unrolled (with_head_dim).
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
   if (ahead != nullptr) {
-    qk_steps<Tag, R, true>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+    qk_steps<Tag, R, true, 0>(q, ldq, k, ldk, keys, D, s, lds, ahead);
   } else {
-    qk_steps<Tag, R, false>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+    with_head_dim<Tag>(
+        D, [&](auto dim) { qk_steps<Tag, R, false, decltype(dim)::value>(q, ldq, k, ldk, keys, D, s, lds, ahead); });
   }
 }
 
 /// One step of pv_in_place: acc_o[r] += Σ_n p[r][n] · v[n] over NV keys (rows of v, `ldv` apart), each acc_o vector
 /// loaded and stored once. The step's prefetch run, if any, is spread evenly over the vector columns
-/// (Run::per_column lines at each).
-template <class Tag, int R, int NV, bool kPaced, class S>
-inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index full, int tail,
+/// (Run::per_column lines at each). kDim: Dv where with_head_dim compiles it in, else 0 (Dv read at run time).
+template <class Tag, int R, int NV, bool kPaced, Index kDim, class S>
+inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
                     typename PrefetchCursor<S>::Run& run) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
+  const Index Dv = kDim > 0 ? kDim : dv_runtime, full = Dv / L * L;
+  const int tail = static_cast<int>(Dv - full);
   Vec w[NV][R];
   QKV_UNROLL for (int n = 0; n < NV; ++n) {
     QKV_UNROLL for (int r = 0; r < R; ++r) w[n][r] = set1(Tag(), p[r * ldp + n]);
   }
   const Index per_column = kPaced ? run.per_column(full / L) : 0;
-  for (Index c = 0; c < full; c += L) {
+  for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
     if constexpr (kPaced) run.issue_next(per_column);
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) {
@@ -253,7 +288,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
       QKV_UNROLL for (int n = 0; n < NV; ++n) acc = fmadd(w[n][r], x[n], acc);
       store(Tag(), o + r * ldo + c, acc);
     }
-  }
+  });
   if constexpr (kPaced) run.issue_rest();
   if (tail > 0) {
     Vec x[NV];
@@ -267,35 +302,21 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   }
 }
 
-/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
-/// P·V. V must stream in order at the prefetchers' pace (visiting a group of keys column slice by column slice, so
-/// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go NV at a
-/// time (kPvKeysPerStep: 2 on AVX2, 4 on AVX-512, whose 32 registers hold the 4·R weights): the NV·R weights sit in
-/// registers, and each acc_o vector (L1) is loaded and stored once per NV keys instead of once per key. Per V line:
-/// NV V loads, R acc_o loads and R stores, NV·R FMAs per vector (at NV = 2 on AVX-512 the R stores, one 512-bit
-/// store a cycle, matched the FMAs' cycles, and P·V took 1.5 times Q·Kᵀ's time in a decode from L3). Each acc_o
-/// element takes its keys' FMAs in key order whatever NV is, so NV does not change the bits. Dv tails by masked
-/// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
-/// K in qk_in_place. A grouped task passes NV = kPvGroupedKeysPerStep. `ahead`, if given, hands each step of NV keys
-/// its run of lines, prefetched spread over the vector columns between the FMAs.
-template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
-inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
-                        PrefetchCursor<S>* ahead = nullptr) noexcept {
-  using namespace simd;
-  constexpr int L = Tag::kLanes;
-  static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
+/// pv_in_place's body for head_dim kDim (0: Dv read at run time).
+template <class Tag, int R, class S, int NV, Index kDim>
+inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index dv_runtime,
+                    PrefetchCursor<S>* ahead) noexcept {
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
-  const Index full = Dv / L * L;
-  const int tail = static_cast<int>(Dv - full);
+  const Index Dv = kDim > 0 ? kDim : dv_runtime;
   Index j = 0;
   const auto steps = [&](auto paced) {
     for (; j + NV <= keys; j += NV) {
       typename PrefetchCursor<S>::Run run;
       if constexpr (decltype(paced)::value) run = ahead->next_run();
       if (j + kDecodePrefetchKeys + NV <= keys) {
-        QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
+        QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
       }
-      pv_step<Tag, R, NV, decltype(paced)::value>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, run);
+      pv_step<Tag, R, NV, decltype(paced)::value, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run);
     }
   };
   // The runs' bookkeeping only where there is a cursor: a head-major task has none.
@@ -306,9 +327,33 @@ inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index 
   }
   typename PrefetchCursor<S>::Run none;
   if constexpr (NV > 2) {
-    for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2, false>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
+    for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
   }
-  if (j < keys) pv_step<Tag, R, 1, false>(p + j, ldp, v + j * ldv, ldv, o, ldo, full, tail, none);
+  if (j < keys) pv_step<Tag, R, 1, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
+}
+
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
+/// P·V. V must stream in order at the prefetchers' pace (visiting a group of keys column slice by column slice, so
+/// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go NV at a
+/// time (kPvKeysPerStep: 2 on AVX2, 4 on AVX-512, whose 32 registers hold the 4·R weights): the NV·R weights sit in
+/// registers, and each acc_o vector (L1) is loaded and stored once per NV keys instead of once per key. Per V line:
+/// NV V loads, R acc_o loads and R stores, NV·R FMAs per vector (at NV = 2 on AVX-512 the R stores, one 512-bit
+/// store a cycle, matched the FMAs' cycles, and P·V took 1.5 times Q·Kᵀ's time in a decode from L3). Each acc_o
+/// element takes its keys' FMAs in key order whatever NV is, so NV does not change the bits. Dv tails by masked
+/// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
+/// K in qk_in_place. A grouped task passes NV = kPvGroupedKeysPerStep. `ahead`, if given, hands each step of NV keys
+/// its run of lines, prefetched spread over the vector columns between the FMAs; without it, at Dv = 64 and 128, the
+/// loop over the columns is unrolled (with_head_dim).
+template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
+inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
+                        PrefetchCursor<S>* ahead = nullptr) noexcept {
+  static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
+  if (ahead != nullptr) {
+    pv_keys<Tag, R, S, NV, 0>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+  } else {
+    with_head_dim<Tag>(
+        Dv, [&](auto dim) { pv_keys<Tag, R, S, NV, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead); });
+  }
 }
 
 }  // namespace QKV_PASS_NAME
