@@ -413,15 +413,16 @@ TEST(Fused, DecodeShapesWithEveryOption) {
 }
 
 TEST(Fused, DecodeAtTheUnrolledHeadDims) {
-  // Head-major decoding compiles its micro-kernels for D (and Dv) = 64 and 128 with the column loops unrolled
-  // (decode_kernels.hpp, with_head_dim) and keeps the runtime loop for any other head_dim: both, mixed within one call
-  // (D unrolled, Dv not, and the reverse), with 1, 3 and 4 query rows per kv head (qk_in_place's R), against the
-  // float64 reference. Skv = 1027 leaves a block of 3 keys (a pair and one key after the whole steps) and 2053 one key
-  // after a split-K chunk; key_lengths end the keys mid-step.
+  // A head-major decoding task's micro-kernels are compiled for D (and Dv) = 64 and 128 with their column loops
+  // unrolled (decode_kernels.hpp, with_head_dim), and keep the runtime loop for any other head_dim: both, mixed in
+  // one call (D unrolled, Dv not, and the reverse), with 1 to 4 query rows per kv head (qk_in_place's R), against the
+  // float64 reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and one key); 2053 puts 5 keys in a
+  // second split-K chunk; each runs with and without key_lengths (which end the keys mid-step). Token-major K and V
+  // with one kv head are decoded by the same head-major task, rows Hkv·D apart.
   const std::pair<Index, Index> dims[] = {{64, 64}, {128, 128}, {128, 64}, {64, 128}, {128, 80}, {80, 128}, {72, 64}};
   int trial = 0;
   for (const auto& [D, Dv] : dims) {
-    for (const Index group : {1, 3, 4}) {
+    for (const Index group : {1, 2, 3, 4}) {
       for (const Index skv : {Index(1027), Index(2053)}) {
         Case c;
         c.B = 2;
@@ -431,7 +432,12 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
         c.Skv = skv;
         c.D = D;
         c.Dv = Dv;
-        if (trial % 2 == 1) c.options.key_lengths = {skv - 6, 3};
+        if (trial % 4 >= 2) c.options.key_lengths = {skv - 6, 3};
+        if (trial % 8 == 7) {  // token-major, one kv head
+          c.bshd = true;
+          c.Hkv = 1;
+          c.Hq = group;
+        }
         check_case(c, static_cast<unsigned>(trial++));
         if (HasFailure()) return;
       }

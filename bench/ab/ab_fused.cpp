@@ -49,7 +49,7 @@
 //                                  --perturb flips the lowest bit of B's first non-NaN dQ, dK and dV: every line must
 //                                  then read 1, 1 and 1, and the run exit 1.
 //   ab_fused --backward-list       the backward case names.
-//   ab_fused --decode [layout storage Skv rounds [cached] [D=N]]
+//   ab_fused --decode [layout storage Skv rounds [cached] [D=N]]  (cached and D=N in either order)
 //                                  speed of one decoding step (defaults bshd f16 32768 16): B = 1, Sq = 1, Hq = 32,
 //                                  Hkv = 8, D = Dv = 128 (or N), fused, one thread; layout bshd (token-major) or bhsd;
 //                                  K and V stored as float, f16 (Eigen::half) or bf16 (Eigen::bfloat16), rounded once
@@ -1213,7 +1213,7 @@ int usage(const char* argv0) {
                "       %s --decode [layout storage Skv rounds [cached] [D=N]]\n"
                "           decode speed (defaults bshd f16 32768 16; layout bshd or bhsd, storage float, f16 or bf16\n"
                "           for K and V; B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128 or N, one thread; cached: K and\n"
-               "           V left in the cache by an untimed call, not evicted)\n",
+               "           V left in the cache by an untimed call, not evicted; cached and D=N in either order)\n",
                argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
   return 2;
 }
@@ -1288,7 +1288,9 @@ int main(int argc, char** argv) {
       if (option == "cached") {
         cached = true;
       } else if (option.rfind("D=", 0) == 0) {
-        D = std::atol(option.c_str() + 2);
+        char* end = nullptr;
+        D = std::strtol(option.c_str() + 2, &end, 10);
+        if (end == option.c_str() + 2 || *end != '\0') bad_option = true;
       } else {
         bad_option = true;
       }

@@ -120,12 +120,13 @@ class PrefetchCursor {
 };
 
 /// Calls f(std::integral_constant<Index, n>()) where n (D or Dv) is 64 or 128 and Tag is a vector tag, else
-/// f(std::integral_constant<Index, 0>()) (n read at run time): the head-major decoding micro-kernels are compiled for
-/// those two head_dims besides any, with their loops over a row's vector columns unrolled completely
-/// (for_each_column). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, Skv = 32768, one thread, paired against the
-/// loop over D at run time), head-major decode from DRAM took 0.89–0.90 of the time at D = 128 (clang++ and g++;
-/// f16 0.84, bf16 0.83, clang++'s AVX2 build 0.95) and 0.83 at D = 64. The token-major (grouped) task keeps the
-/// runtime loop: unrolled, its float decode took 1.03 of the time and its f16 decode 1.08 (bench/README.md,
+/// f(std::integral_constant<Index, 0>()) (n read at run time): the decoding micro-kernels of a task of one kv head
+/// (head-major K and V, or token-major with one kv head per task) are compiled for those two head_dims besides any,
+/// with their loops over a row's vector columns unrolled completely (for_each_column). Measured on Zen 5 (Sq = 1,
+/// Hq = 32, Hkv = 8, Skv = 32768, one thread, paired against the loop over D at run time), head-major decode from
+/// DRAM took 0.89–0.90 of the time at D = 128 (clang++ and g++; f16 0.84, bf16 0.83, clang++'s AVX2 build 0.95) and
+/// 0.83 at D = 64. A grouped task (several kv heads of token-major K and V, paced by a PrefetchCursor) keeps the
+/// runtime loop: unrolled, its float decode took 1.03 of the time and its f16 decode 1.03–1.08 (bench/README.md,
 /// "2026-12-04, twenty-first session").
 template <class Tag, class F>
 inline void with_head_dim(Index n, F&& f) {
@@ -319,9 +320,13 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
       pv_step<Tag, R, NV, decltype(paced)::value, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run);
     }
   };
-  // The runs' bookkeeping only where there is a cursor: a head-major task has none.
-  if (ahead != nullptr) {
-    steps(std::true_type());
+  // The runs' bookkeeping only where there is a cursor: a head-major task has none (nor an unrolled kDim).
+  if constexpr (kDim == 0) {
+    if (ahead != nullptr) {
+      steps(std::true_type());
+    } else {
+      steps(std::false_type());
+    }
   } else {
     steps(std::false_type());
   }
