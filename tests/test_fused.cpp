@@ -418,7 +418,8 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
   // one call (D unrolled, Dv not, and the reverse), with 1 to 4 query rows per kv head (qk_in_place's R), against the
   // float64 reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and one key); 2053 puts 5 keys in a
   // second split-K chunk; each runs with and without key_lengths (which end the keys mid-step). Token-major K and V
-  // with one kv head are decoded by the same head-major task, rows Hkv·D apart.
+  // with one kv head per task take the same kernels: Hkv = 1, and Hkv = 7 at 16 query rows per kv head, where the
+  // plan's tasks of 6 kv heads leave a last task of one, its rows 7·D apart.
   const std::pair<Index, Index> dims[] = {{64, 64}, {128, 128}, {128, 64}, {64, 128}, {128, 80}, {80, 128}, {72, 64}};
   int trial = 0;
   for (const auto& [D, Dv] : dims) {
@@ -442,6 +443,17 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
         if (HasFailure()) return;
       }
     }
+  }
+  for (const Index D : {64, 128}) {
+    Case c;
+    c.bshd = true;
+    c.Hkv = 7;
+    c.Hq = 7 * 16;
+    c.Sq = 1;
+    c.Skv = 1027;
+    c.D = c.Dv = D;
+    check_case(c, static_cast<unsigned>(trial++));
+    if (HasFailure()) return;
   }
 }
 
