@@ -80,6 +80,10 @@ class PrefetchCursor {
     const S* first = nullptr;
     Index lines = 0;
     Index issued = 0;
+    /// Prefetches the next line, if any: one call per vector column of a micro-kernel's loop.
+    void issue_next() noexcept {
+      if (issued < lines) simd::prefetch(first + (issued++) * kElementsPerLine);
+    }
     /// Prefetches the next `count` lines, or as many as are left: a loop of `columns` vector columns issues
     /// per_column(columns) at each, so that the run is spread over the whole loop.
     void issue_next(Index count) noexcept {
@@ -182,9 +186,8 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     if (j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
-    [[maybe_unused]] const Index per_column = kPaced ? run.per_column(d_full / L) : 0;
     for_each_column<kDim, L>(d_full, [&](Index d) QKV_ALWAYS_INLINE {
-      if constexpr (kPaced) run.issue_next(per_column);
+      if constexpr (kPaced) run.issue_next();
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) {
         kv[c] = load_kv(Tag(), key + c * ldk + d);
@@ -245,10 +248,8 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// (reduce_sum16 for 4 × 4 on AVX-512, else reduce_sum4), not one horizontal reduction per (row, key). D tails by
 /// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
-/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), spread evenly over the vector columns
-/// between the FMAs (Run::per_column lines at each; one line per column, the rest of the run after the columns, took
-/// token-major float decode from DRAM 1.06 × the time on Zen 5: bench/README.md, "2026-12-04, twenty-second session");
-/// without it, at D = 64 and 128, the loop over d is unrolled (with_head_dim).
+/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
+/// FMAs; without it, at D = 64 and 128, the loop over d is unrolled (with_head_dim).
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
