@@ -165,6 +165,14 @@
 #define QKV_ALWAYS_INLINE
 #endif
 
+/// Keeps a function out of line: the token-major decoding P·V (decode_kernels.hpp, pv_in_place), whose unrolled
+/// bodies, inlined into the decoding task, changed how the compilers inline the head-major one.
+#if defined(__GNUC__)
+#define QKV_NOINLINE __attribute__((noinline))
+#else
+#define QKV_NOINLINE
+#endif
+
 /// Asks the compiler not to unroll the next loop: a loop of prefetches a few iterations long, which clang++ 14 at -O3
 /// unrolls eightfold behind a remainder loop (g++ does not unroll without -funroll-loops).
 #if defined(__clang__)

@@ -4,8 +4,8 @@
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
 // values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range; a task over token-major
 // K and V also hands them a PrefetchCursor, whose whole rows ahead they issue a share per step. Per key and kv head
-// (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. A head-major task's micro-kernels are also
-// compiled for D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
+// (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. The micro-kernels are also compiled for
+// D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
@@ -35,8 +35,8 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// apart), in memory order, handed out a share at a time to the decoding micro-kernels (one `next_run` per step of
 /// keys, `flush` for what the steps left): a grouped decoding task (fused_attention.hpp) paces the next sub-block's
 /// prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4 on AVX2: 16 lines of float or 8 of
-/// 16-bit storage per step; more on AVX-512, whose steps take more keys), and each step spreads its lines over the
-/// vector columns of its loop, between the FMAs. Issued in
+/// 16-bit storage per step; more on AVX-512, whose steps take more keys): a P·V step spreads its lines over the vector
+/// columns of its loop, between the FMAs; a Q·Kᵀ step issues them after its sums (qk_in_place). Issued in
 /// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
 /// tight loop, clang++'s float decode took 1.35 × as long (bench/README.md, "Paced prefetch in token-major decode" and
 /// "Prefetches between the FMAs"). Its loops of prefetches are not unrolled (QKV_NO_UNROLL): clang++'s eightfold
@@ -80,10 +80,6 @@ class PrefetchCursor {
     const S* first = nullptr;
     Index lines = 0;
     Index issued = 0;
-    /// Prefetches the next line, if any: one call per vector column of a micro-kernel's loop.
-    void issue_next() noexcept {
-      if (issued < lines) simd::prefetch(first + (issued++) * kElementsPerLine);
-    }
     /// Prefetches the next `count` lines, or as many as are left: a loop of `columns` vector columns issues
     /// per_column(columns) at each, so that the run is spread over the whole loop.
     void issue_next(Index count) noexcept {
@@ -125,9 +121,10 @@ class PrefetchCursor {
 /// with their loops over a row's vector columns unrolled completely (for_each_column). Measured on Zen 5 (Sq = 1,
 /// Hq = 32, Hkv = 8, Skv = 32768, one thread, paired against the loop over D at run time), head-major decode from
 /// DRAM took 0.89–0.90 of the time at D = 128 (clang++ and g++; f16 0.84, bf16 0.83, clang++'s AVX2 build 0.95) and
-/// 0.83 at D = 64. A grouped task (several kv heads of token-major K and V, paced by a PrefetchCursor) keeps the
-/// runtime loop: unrolled, its float decode took 1.03 of the time and its f16 decode 1.03–1.08 (bench/README.md,
-/// "2026-12-04, twenty-first session").
+/// 0.83 at D = 64. A grouped task (several kv heads of token-major K and V, paced by a PrefetchCursor) is unrolled
+/// too, with its Q·Kᵀ prefetches after each step's sums: float from DRAM in 0.79–0.83 of the time with clang++,
+/// 0.90–0.96 with g++ (bench/README.md, "2026-12-05, twenty-third session"; unrolled with the prefetches inside the
+/// columns, it had taken 1.03 of the time: "2026-12-04, twenty-first session").
 template <class Tag, class F>
 inline void with_head_dim(Index n, F&& f) {
   if constexpr (Tag::kLanes >= 8) {
@@ -187,7 +184,6 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for_each_column<kDim, L>(d_full, [&](Index d) QKV_ALWAYS_INLINE {
-      if constexpr (kPaced) run.issue_next();
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) {
         kv[c] = load_kv(Tag(), key + c * ldk + d);
@@ -207,7 +203,6 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
     }
-    if constexpr (kPaced) run.issue_rest();
     // Sums in (row, key) order, sixteen at a time where there are sixteen (4 rows × 4 keys on a 16-lane tag), else
     // four at a time (the same pairing, so the same bits); then each row's NK scores go to its row of s.
     constexpr int kSums = (R * NK + 3) / 4 * 4;
@@ -223,6 +218,8 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     QKV_UNROLL for (int r = 0; r < R; ++r) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) s[r * lds + j + c] = sums[r * NK + c];
     }
+    // The step's prefetch run, once its accumulators are reduced (see qk_in_place).
+    if constexpr (kPaced) run.issue_rest();
   }
   for (; j < keys; ++j) {
     Vec acc[R];
@@ -248,13 +245,16 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// (reduce_sum16 for 4 × 4 on AVX-512, else reduce_sum4), not one horizontal reduction per (row, key). D tails by
 /// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
-/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched one per vector column between the
-/// FMAs; without it, at D = 64 and 128, the loop over d is unrolled (with_head_dim).
+/// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched once the step's sums are stored:
+/// issued inside the unrolled columns, or before the reduction, they left the sixteen accumulators live across a
+/// loop of prefetches and clang++ 14 spilled 38–45 vectors per step (from L3 1.13–1.24 × the time). At D = 64 and 128
+/// the loop over d is unrolled (with_head_dim), with or without `ahead`.
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
   if (ahead != nullptr) {
-    qk_steps<Tag, R, true, 0>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+    with_head_dim<Tag>(
+        D, [&](auto dim) { qk_steps<Tag, R, true, decltype(dim)::value>(q, ldq, k, ldk, keys, D, s, lds, ahead); });
   } else {
     with_head_dim<Tag>(
         D, [&](auto dim) { qk_steps<Tag, R, false, decltype(dim)::value>(q, ldq, k, ldk, keys, D, s, lds, ahead); });
@@ -303,38 +303,36 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   }
 }
 
-/// pv_in_place's body for head_dim kDim (0: Dv read at run time).
-template <class Tag, int R, class S, int NV, Index kDim>
+/// pv_in_place's body for head_dim kDim (0: Dv read at run time), with the prefetch runs' bookkeeping compiled in
+/// only where there is a cursor (kPaced): a head-major task has none.
+template <class Tag, int R, class S, int NV, bool kPaced, Index kDim>
 inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index dv_runtime,
                     PrefetchCursor<S>* ahead) noexcept {
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
   const Index Dv = kDim > 0 ? kDim : dv_runtime;
   Index j = 0;
-  const auto steps = [&](auto paced) {
-    for (; j + NV <= keys; j += NV) {
-      typename PrefetchCursor<S>::Run run;
-      if constexpr (decltype(paced)::value) run = ahead->next_run();
-      if (j + kDecodePrefetchKeys + NV <= keys) {
-        QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
-      }
-      pv_step<Tag, R, NV, decltype(paced)::value, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run);
+  for (; j + NV <= keys; j += NV) {
+    typename PrefetchCursor<S>::Run run;
+    if constexpr (kPaced) run = ahead->next_run();
+    if (j + kDecodePrefetchKeys + NV <= keys) {
+      QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
     }
-  };
-  // The runs' bookkeeping only where there is a cursor: a head-major task has none (nor an unrolled kDim).
-  if constexpr (kDim == 0) {
-    if (ahead != nullptr) {
-      steps(std::true_type());
-    } else {
-      steps(std::false_type());
-    }
-  } else {
-    steps(std::false_type());
+    pv_step<Tag, R, NV, kPaced, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run);
   }
   typename PrefetchCursor<S>::Run none;
   if constexpr (NV > 2) {
     for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
   }
   if (j < keys) pv_step<Tag, R, 1, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
+}
+
+/// pv_in_place with a cursor, out of line (QKV_NOINLINE).
+template <class Tag, int R, class S, int NV>
+QKV_NOINLINE void pv_paced(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
+                           PrefetchCursor<S>* ahead) noexcept {
+  with_head_dim<Tag>(Dv, [&](auto dim) {
+    pv_keys<Tag, R, S, NV, true, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+  });
 }
 
 /// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
@@ -347,17 +345,18 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
 /// element takes its keys' FMAs in key order whatever NV is, so NV does not change the bits. Dv tails by masked
 /// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
 /// K in qk_in_place. A grouped task passes NV = kPvGroupedKeysPerStep. `ahead`, if given, hands each step of NV keys
-/// its run of lines, prefetched spread over the vector columns between the FMAs; without it, at Dv = 64 and 128, the
-/// loop over the columns is unrolled (with_head_dim).
+/// its run of lines, prefetched spread over the vector columns between the FMAs (out of line, pv_paced); at Dv = 64 and
+/// 128 the loop over the columns is unrolled (with_head_dim), with or without `ahead`.
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
   static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
   if (ahead != nullptr) {
-    pv_keys<Tag, R, S, NV, 0>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+    pv_paced<Tag, R, S, NV>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
   } else {
-    with_head_dim<Tag>(
-        Dv, [&](auto dim) { pv_keys<Tag, R, S, NV, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead); });
+    with_head_dim<Tag>(Dv, [&](auto dim) {
+      pv_keys<Tag, R, S, NV, false, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+    });
   }
 }
 

@@ -304,7 +304,7 @@ class FusedAttention {
   /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
   /// that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
   /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
-  /// between the FMAs (PrefetchCursor), paced over the sub-block's arithmetic.
+  /// (PrefetchCursor), paced over the sub-block's arithmetic.
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
