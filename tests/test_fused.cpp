@@ -413,13 +413,14 @@ TEST(Fused, DecodeShapesWithEveryOption) {
 }
 
 TEST(Fused, DecodeAtTheUnrolledHeadDims) {
-  // A head-major decoding task's micro-kernels are compiled for D (and Dv) = 64 and 128 with their column loops
-  // unrolled (decode_kernels.hpp, with_head_dim), and keep the runtime loop for any other head_dim: both, mixed in
-  // one call (D unrolled, Dv not, and the reverse), with 1 to 4 query rows per kv head (qk_in_place's R), against the
-  // float64 reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and one key); 2053 puts 5 keys in a
-  // second split-K chunk; each runs with and without key_lengths (which end the keys mid-step). Token-major K and V
-  // with one kv head per task take the same kernels: Hkv = 1, and Hkv = 7 at 16 query rows per kv head, where the
-  // plan's tasks of 6 kv heads leave a last task of one, its rows 7·D apart.
+  // The decoding micro-kernels are compiled for D (and Dv) = 64 and 128 with their column loops unrolled
+  // (decode_kernels.hpp, with_head_dim), and keep the runtime loop for any other head_dim: both, mixed in one call
+  // (D unrolled, Dv not, and the reverse), with 1 to 4 query rows per kv head (qk_in_place's R), against the float64
+  // reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and one key); 2053 puts 5 keys in a second
+  // split-K chunk; each runs with and without key_lengths (which end the keys mid-step). Token-major K and V with one
+  // kv head per task take the same kernels: Hkv = 1, and Hkv = 7 at 16 query rows per kv head, where the plan's tasks
+  // of 6 kv heads leave a last task of one, its rows 7·D apart. A grouped task (token-major, several kv heads, the
+  // kernels paced by a PrefetchCursor) takes every pair of head_dims with 1, 3 and 4 rows per kv head.
   const std::pair<Index, Index> dims[] = {{64, 64}, {128, 128}, {128, 64}, {64, 128}, {128, 80}, {80, 128}, {72, 64}};
   int trial = 0;
   for (const auto& [D, Dv] : dims) {
@@ -442,6 +443,22 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
         check_case(c, static_cast<unsigned>(trial++));
         if (HasFailure()) return;
       }
+    }
+  }
+  for (const auto& [D, Dv] : dims) {
+    for (const Index group : {1, 3, 4}) {
+      Case c;
+      c.bshd = true;
+      c.B = 1;
+      c.Hkv = 3;
+      c.Hq = c.Hkv * group;
+      c.Sq = 1;
+      c.Skv = 1027;
+      c.D = D;
+      c.Dv = Dv;
+      if (trial % 2 == 1) c.options.key_lengths = {Index(1021)};
+      check_case(c, static_cast<unsigned>(trial++));
+      if (HasFailure()) return;
     }
   }
   for (const Index D : {64, 128}) {

@@ -165,8 +165,8 @@
 #define QKV_ALWAYS_INLINE
 #endif
 
-/// Keeps a function out of line: the token-major decoding P·V (decode_kernels.hpp, pv_in_place), whose unrolled
-/// bodies, inlined into the decoding task, changed how the compilers inline the head-major one.
+/// Keeps a function out of line: the token-major decoding P·V (decode_kernels.hpp, pv_paced), whose unrolled bodies,
+/// inlined into the decoding task, changed how the compilers inline the head-major one.
 #if defined(__GNUC__)
 #define QKV_NOINLINE __attribute__((noinline))
 #else

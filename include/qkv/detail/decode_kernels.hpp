@@ -38,11 +38,12 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// 16-bit storage per step; more on AVX-512, whose steps take more keys): a P·V step spreads its lines over the vector
 /// columns of its loop, between the FMAs; a Q·Kᵀ step issues them after its sums (qk_in_place). Issued in
 /// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
-/// tight loop, clang++'s float decode took 1.35 × as long (bench/README.md, "Paced prefetch in token-major decode" and
-/// "Prefetches between the FMAs"). Its loops of prefetches are not unrolled (QKV_NO_UNROLL): clang++'s eightfold
-/// unrolling of them, for runs of one to a few lines, cost token-major decode 2–9 % (bench/README.md, "clang++ no
-/// longer unrolls the prefetch loops"). Addresses are formed only for lines inside the rows. Complexity: O(1) per
-/// line; throws nothing.
+/// tight loop before the step's arithmetic, clang++'s float decode took 1.35 × as long with the loop over D at run
+/// time (bench/README.md, "Paced prefetch in token-major decode" and "Prefetches between the FMAs"); after the
+/// arithmetic of an unrolled step, the share costs nothing measurable ("2026-12-05, twenty-third session"). Its loops
+/// of prefetches are not unrolled (QKV_NO_UNROLL): clang++'s eightfold unrolling of them, for runs of one to a few
+/// lines, cost token-major decode 2–9 % (bench/README.md, "clang++ no longer unrolls the prefetch loops"). Addresses
+/// are formed only for lines inside the rows. Complexity: O(1) per line; throws nothing.
 template <class S>
 class PrefetchCursor {
  public:
@@ -89,7 +90,7 @@ class PrefetchCursor {
       }
     }
     Index per_column(Index columns) const noexcept { return columns > 0 ? (lines + columns - 1) / columns : lines; }
-    /// Prefetches the lines the loop left (a loop of fewer columns than lines).
+    /// Prefetches the lines not issued yet: what a loop of fewer columns than lines left, or the whole run.
     void issue_rest() noexcept {
       QKV_NO_UNROLL
       for (; issued < lines; ++issued) simd::prefetch(first + issued * kElementsPerLine);
@@ -116,15 +117,14 @@ class PrefetchCursor {
 };
 
 /// Calls f(std::integral_constant<Index, n>()) where n (D or Dv) is 64 or 128 and Tag is a vector tag, else
-/// f(std::integral_constant<Index, 0>()) (n read at run time): the decoding micro-kernels of a task of one kv head
-/// (head-major K and V, or token-major with one kv head per task) are compiled for those two head_dims besides any,
-/// with their loops over a row's vector columns unrolled completely (for_each_column). Measured on Zen 5 (Sq = 1,
-/// Hq = 32, Hkv = 8, Skv = 32768, one thread, paired against the loop over D at run time), head-major decode from
-/// DRAM took 0.89–0.90 of the time at D = 128 (clang++ and g++; f16 0.84, bf16 0.83, clang++'s AVX2 build 0.95) and
-/// 0.83 at D = 64. A grouped task (several kv heads of token-major K and V, paced by a PrefetchCursor) is unrolled
-/// too, with its Q·Kᵀ prefetches after each step's sums: float from DRAM in 0.79–0.83 of the time with clang++,
-/// 0.90–0.96 with g++ (bench/README.md, "2026-12-05, twenty-third session"; unrolled with the prefetches inside the
-/// columns, it had taken 1.03 of the time: "2026-12-04, twenty-first session").
+/// f(std::integral_constant<Index, 0>()) (n read at run time): the decoding micro-kernels are compiled for those two
+/// head_dims besides any, with their loops over a row's vector columns unrolled completely (for_each_column). Measured
+/// on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, Skv = 32768, one thread, paired against the loop over D at run time), head-major
+/// decode from DRAM took 0.89–0.90 of the time at D = 128 (clang++ and g++; f16 0.84, bf16 0.83, clang++'s AVX2 build
+/// 0.95) and 0.83 at D = 64. A grouped task (several kv heads of token-major K and V, paced by a PrefetchCursor) is
+/// unrolled too, with its Q·Kᵀ prefetches after each step's sums: float from DRAM in 0.79–0.83 of the time with
+/// clang++, 0.90–0.96 with g++ (float K and V, Skv = 32768; bench/README.md, "2026-12-05, twenty-third session";
+/// unrolled with the prefetches inside the columns, it had taken 1.03 of the time: "2026-12-04, twenty-first session").
 template <class Tag, class F>
 inline void with_head_dim(Index n, F&& f) {
   if constexpr (Tag::kLanes >= 8) {
@@ -246,9 +246,9 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched once the step's sums are stored:
-/// issued inside the unrolled columns, or before the reduction, they left the sixteen accumulators live across a
-/// loop of prefetches and clang++ 14 spilled 38–45 vectors per step (from L3 1.13–1.24 × the time). At D = 64 and 128
-/// the loop over d is unrolled (with_head_dim), with or without `ahead`.
+/// a loop or branch of prefetches inside the unrolled columns, or before the reduction, left the accumulators live
+/// across it, and clang++ 14 spilled 38–45 vectors in the 4-row AVX-512 Q·Kᵀ (from L3 1.13–1.24 × the time). At
+/// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`.
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
@@ -326,10 +326,11 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
   if (j < keys) pv_step<Tag, R, 1, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
 }
 
-/// pv_in_place with a cursor, out of line (QKV_NOINLINE).
+/// pv_in_place with a cursor, out of line (QKV_NOINLINE): inlined into the decoding task, its unrolled bodies changed
+/// how the compilers inlined the head-major P·V, which then took 1.02–1.08 (clang++) and 1.14 (g++) of the time.
 template <class Tag, int R, class S, int NV>
-QKV_NOINLINE void pv_paced(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
-                           PrefetchCursor<S>* ahead) noexcept {
+QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo,
+                                  Index Dv, PrefetchCursor<S>* ahead) noexcept {
   with_head_dim<Tag>(Dv, [&](auto dim) {
     pv_keys<Tag, R, S, NV, true, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
   });
