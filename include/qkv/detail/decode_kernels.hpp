@@ -146,6 +146,24 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
   }
 }
 
+/// Whether a head-major decoding step (no PrefetchCursor) prefetches its rows ahead one line per vector column,
+/// between the FMAs of the unrolled columns (the line of each row ahead that starts at that column, clamped to the
+/// task's last step so that no branch is needed), instead of prefetch_row's burst of whole rows before the step:
+/// where the head_dim is compiled in (kDim > 0) and a vector is exactly a cache line (float on a 16-lane tag), so
+/// that every line of a row has its column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8,
+/// D = 128, BHSD float, one thread, paired against the burst): from DRAM 0.90–0.95 of the time with clang++, from L3
+/// 0.92–0.97. g++ 12 schedules about half of a step's 32 prefetches back to its start and keeps their addresses on
+/// the stack: from DRAM 0.99–1.06 of the time (from L3 0.95–0.96), so it keeps the burst. Where a line spans two
+/// columns (16-bit K and V, or AVX2), the lines spread over half the columns took 1.03–1.09 of the time with both, so
+/// those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session").
+#if defined(__clang__)
+inline constexpr bool kSpreadAheadCompiler = true;
+#else
+inline constexpr bool kSpreadAheadCompiler = false;
+#endif
+template <class Tag, class S, bool kPaced, Index kDim>
+inline constexpr bool kSpreadAhead = kSpreadAheadCompiler && !kPaced && kDim > 0 && Tag::kLanes * sizeof(S) == 64;
+
 /// Keys per step of qk_in_place (its NK) and of pv_in_place (its NV): what a PrefetchCursor's steps count.
 template <class Tag>
 inline constexpr Index kQkKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
@@ -180,10 +198,15 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     const S* key = k + j * ldk;
     typename PrefetchCursor<S>::Run run;
     if constexpr (kPaced) run = ahead->next_run();
-    if (j + kDecodePrefetchKeys + NK <= keys) {
+    constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
+    const S* ahead_rows = kSpread ? k + std::min(j + kDecodePrefetchKeys, keys - NK) * ldk : nullptr;
+    if (!kSpread && j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for_each_column<kDim, L>(d_full, [&](Index d) QKV_ALWAYS_INLINE {
+      if constexpr (kSpread) {
+        QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch(ahead_rows + c * ldk + d);
+      }
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) {
         kv[c] = load_kv(Tag(), key + c * ldk + d);
@@ -266,7 +289,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// (Run::per_column lines at each). kDim: Dv where with_head_dim compiles it in, else 0 (Dv read at run time).
 template <class Tag, int R, int NV, bool kPaced, Index kDim, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
-                    typename PrefetchCursor<S>::Run& run) noexcept {
+                    typename PrefetchCursor<S>::Run& run, const S* ahead_rows) noexcept {
   using namespace simd;
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes;
@@ -279,6 +302,9 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   const Index per_column = kPaced ? run.per_column(full / L) : 0;
   for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
     if constexpr (kPaced) run.issue_next(per_column);
+    if constexpr (kSpreadAhead<Tag, S, kPaced, kDim>) {
+      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch(ahead_rows + n * ldv + c);
+    }
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) {
       x[n] = load_kv(Tag(), v + n * ldv + c);
@@ -314,16 +340,21 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
   for (; j + NV <= keys; j += NV) {
     typename PrefetchCursor<S>::Run run;
     if constexpr (kPaced) run = ahead->next_run();
-    if (j + kDecodePrefetchKeys + NV <= keys) {
+    constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
+    if (!kSpread && j + kDecodePrefetchKeys + NV <= keys) {
       QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
     }
-    pv_step<Tag, R, NV, kPaced, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run);
+    const S* ahead_rows = kSpread ? v + std::min(j + kDecodePrefetchKeys, keys - NV) * ldv : nullptr;
+    pv_step<Tag, R, NV, kPaced, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
+  // The last keys' steps prefetch nothing new: their rows ahead are their own.
   typename PrefetchCursor<S>::Run none;
   if constexpr (NV > 2) {
-    for (; j + 2 <= keys; j += 2) pv_step<Tag, R, 2, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
+    for (; j + 2 <= keys; j += 2) {
+      pv_step<Tag, R, 2, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none, v + j * ldv);
+    }
   }
-  if (j < keys) pv_step<Tag, R, 1, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none);
+  if (j < keys) pv_step<Tag, R, 1, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none, v + j * ldv);
 }
 
 /// pv_in_place with a cursor, out of line (QKV_NOINLINE): inlined into the decoding task, its unrolled bodies changed
