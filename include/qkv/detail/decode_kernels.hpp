@@ -156,7 +156,8 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
 /// step's 32 prefetches back to its start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time
 /// (from L3 0.95–0.96), and DRAM decides, so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or
 /// AVX2), the lines spread over the first half of the columns took 1.03–1.10 of the time (f16 with both compilers,
-/// AVX2 with clang++), so those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session").
+/// AVX2 with clang++), so those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread
+/// rows are FusedTiles::kDecodeSpreadKeys ahead, not kDecodePrefetchKeys.
 #if defined(__clang__)
 inline constexpr bool kSpreadAheadCompiler = true;
 #else
@@ -200,7 +201,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     typename PrefetchCursor<S>::Run run;
     if constexpr (kPaced) run = ahead->next_run();
     constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
-    const S* ahead_rows = kSpread ? k + std::min(j + kDecodePrefetchKeys, keys - NK) * ldk : nullptr;
+    const S* ahead_rows = kSpread ? k + std::min(j + FusedTiles<Tag>::kDecodeSpreadKeys, keys - NK) * ldk : nullptr;
     if (!kSpread && j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
@@ -349,7 +350,7 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
     if (!kSpread && j + kDecodePrefetchKeys + NV <= keys) {
       QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
     }
-    const S* ahead_rows = kSpread ? v + std::min(j + kDecodePrefetchKeys, keys - NV) * ldv : nullptr;
+    const S* ahead_rows = kSpread ? v + std::min(j + FusedTiles<Tag>::kDecodeSpreadKeys, keys - NV) * ldv : nullptr;
     pv_step<Tag, R, NV, kPaced, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.

@@ -55,6 +55,11 @@ struct FusedTiles {
   /// 0.89; clang++'s AVX-512 build 1.00–1.03 from DRAM (8 to 24 rows within 2 % of each other, 64 slower) and 0.92
   /// from L3 (bench/README.md, "2026-12-03, sixteenth session" and "Decode: four keys per P·V step").
   static constexpr Index kDecodePrefetchKeys = 16;
+  /// Keys ahead that a head-major step prefetches where it spreads them one line per vector column (kSpreadAhead in
+  /// decode_kernels.hpp). Paired against 16 on Zen 5 (BHSD float, Skv = 32768, one thread, clang++): 8 rows took
+  /// 0.940 and 0.957 of the time from DRAM (0.985 from L3), 12 rows 0.968, 4 rows 1.128, 24 rows 1.023–1.030, 32 rows
+  /// 1.055–1.064 (bench/README.md, "2026-12-05, twenty-fourth session").
+  static constexpr Index kDecodeSpreadKeys = 8;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
   /// key rows, paced over its micro-kernel steps (decode_kernels.hpp, PrefetchCursor). Measured on Zen 5 with float
