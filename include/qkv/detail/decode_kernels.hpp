@@ -146,18 +146,18 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
   }
 }
 
-/// Whether a head-major decoding step (no PrefetchCursor) prefetches its rows ahead one line per vector column,
-/// between the FMAs of the unrolled columns (the line of each row ahead that starts at that column, the rows clamped
-/// to the call's last whole step so that no branch is needed), instead of prefetch_row's burst of whole rows before
-/// the step: where the head_dim is compiled in (kDim > 0) and a vector is exactly a cache line (float on a 16-lane
-/// tag), so that every line of a row has its column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32,
-/// Hkv = 8, D = 128, BHSD float, one thread, paired against the burst): from DRAM 0.90–0.95 of the time with clang++
+/// Whether a head-major decoding step (no PrefetchCursor) prefetches its rows ahead one line per vector column, between
+/// the FMAs of the unrolled columns (the line of each row ahead that starts at that column, the rows clamped to the
+/// call's last whole step so that no branch is needed), instead of prefetch_row's burst of whole rows before the step:
+/// where the head_dim is compiled in (kDim > 0) and a vector is exactly a cache line (float on a 16-lane tag), so that
+/// every line of a row has its column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128,
+/// BHSD float, one thread, paired against the burst, both 16 rows ahead): from DRAM 0.90–0.95 of the time with clang++
 /// (14–16 of 16 rounds faster), from L3 0.92–0.97 (31–32 of 60: within the noise). g++ 12 schedules about half of a
-/// step's 32 prefetches back to its start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time
-/// (from L3 0.95–0.96), and DRAM decides, so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or
-/// AVX2), the lines spread over the first half of the columns took 1.03–1.10 of the time (f16 with both compilers,
-/// AVX2 with clang++), so those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread
-/// rows are FusedTiles::kDecodeSpreadKeys ahead, not kDecodePrefetchKeys.
+/// step's 32 prefetches back to its start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time (from
+/// L3 0.95–0.96), and DRAM decides, so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or AVX2),
+/// the lines spread over the first half of the columns took 1.03–1.10 of the time (f16 with both compilers, AVX2 with
+/// clang++), so those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are
+/// FusedTiles::kDecodeSpreadKeys ahead, not kDecodePrefetchKeys.
 #if defined(__clang__)
 inline constexpr bool kSpreadAheadCompiler = true;
 #else
@@ -274,8 +274,9 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// a loop or branch of prefetches inside the unrolled columns, or before the reduction, left the accumulators live
 /// across it, and clang++ 14 spilled 38–45 vectors in the 4-row AVX-512 Q·Kᵀ (from L3 1.13–1.24 × the time). At
 /// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, each step
-/// prefetches the rows kDecodePrefetchKeys ahead in one burst before its loads, or, where kSpreadAhead holds, one line
-/// per column between the FMAs (straight-line prefetches at fixed offsets: no loop or branch, so no spills).
+/// prefetches the rows kDecodePrefetchKeys ahead in one burst before its loads, or, where kSpreadAhead holds, the rows
+/// kDecodeSpreadKeys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
+/// branch, so no spills).
 template <class Tag, int R, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
@@ -384,8 +385,9 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
 /// K in qk_in_place. A grouped task passes NV = kPvGroupedKeysPerStep. `ahead`, if given, hands each step of NV keys
 /// its run of lines, prefetched spread over the vector columns between the FMAs (out of line, pv_paced); at Dv = 64 and
-/// 128 the loop over the columns is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, the rows
-/// kDecodePrefetchKeys ahead as in qk_in_place (a burst, or one line per column where kSpreadAhead holds).
+/// 128 the loop over the columns is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches
+/// as qk_in_place does (a burst kDecodePrefetchKeys ahead, or kDecodeSpreadKeys ahead one line per column where
+/// kSpreadAhead holds).
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
