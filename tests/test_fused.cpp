@@ -1040,4 +1040,38 @@ TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
   check_prefetch_cursor<float>(1024, 2, 1024, 0, 1);
 }
 
+// spread_rows (decode_kernels.hpp): the rows a decoding step prefetches kDecodeSpreadKeys past its key j in reading
+// order are rows the task reads, the call's own or, past its last key, the `next` rows it goes on with (a grouped
+// task's next kv head or sub-block); never an address outside both. Expected rows are named here case by case.
+TEST(Fused, SpreadRowsNameOnlyRowsTheTaskReads) {
+  namespace pass = qkv_test::emulated_pass;
+  using Tag = qkv_test::Emulated16Tag;
+  constexpr Index kAhead = pass::FusedTiles<Tag>::kDecodeSpreadKeys;
+  const Index ld = 1024, next_ld = 1000;
+  std::vector<float> own(static_cast<std::size_t>(32 * ld)), other(static_cast<std::size_t>(32 * next_ld));
+  for (Index count : {1, 2, 4}) {
+    for (Index keys = count; keys <= 20; ++keys) {
+      for (Index next_keys : {0, 1, 3, 16}) {
+        const pass::NextRows<float> next{next_keys > 0 ? other.data() : nullptr, next_keys, next_ld};
+        for (Index j = 0; j + count <= keys; j += count) {
+          const float* p = pass::spread_rows<Tag>(own.data(), ld, j, keys, count, next);
+          const std::string where = "count " + std::to_string(count) + ", keys " + std::to_string(keys) + ", next " +
+                                    std::to_string(next_keys) + ", j " + std::to_string(j);
+          const bool in_own = p >= own.data() && (p - own.data()) % ld == 0 && (p - own.data()) / ld + count <= keys;
+          const bool in_next = next_keys >= count && p >= other.data() && (p - other.data()) % next_ld == 0 &&
+                               (p - other.data()) / next_ld + count <= next_keys;
+          EXPECT_TRUE(in_own || in_next) << where;
+          if (j + kAhead + count <= keys) {
+            EXPECT_EQ(p, own.data() + (j + kAhead) * ld) << where;
+          } else if (j + kAhead >= keys && next_keys >= count) {
+            EXPECT_EQ(p, other.data() + std::min(j + kAhead - keys, next_keys - count) * next_ld) << where;
+          } else {
+            EXPECT_EQ(p, own.data() + (keys - count) * ld) << where;  // the call's last rows again
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace

@@ -40,7 +40,8 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
 /// tight loop before the step's arithmetic, clang++'s float decode took 1.35 × as long with the loop over D at run
 /// time (bench/README.md, "Paced prefetch in token-major decode" and "Prefetches between the FMAs"); after the
-/// arithmetic of an unrolled step, the share costs nothing measurable ("2026-12-05, twenty-third session"). Its loops
+/// arithmetic of an unrolled step, the share costs nothing measurable ("2026-12-05, twenty-third session"); where
+/// kSpreadAheadPaced holds, a P·V step also prefetches its rows a few keys ahead in reading order. Its loops
 /// of prefetches are not unrolled (QKV_NO_UNROLL): clang++'s eightfold unrolling of them, for runs of one to a few
 /// lines, cost token-major decode 2–9 % (bench/README.md, "clang++ no longer unrolls the prefetch loops"). Addresses
 /// are formed only for lines inside the rows. Complexity: O(1) per line; throws nothing.
@@ -165,6 +166,41 @@ inline constexpr bool kSpreadAheadCompiler = false;
 #endif
 template <class Tag, class S, bool kPaced, Index kDim>
 inline constexpr bool kSpreadAhead = kSpreadAheadCompiler && !kPaced && kDim > 0 && Tag::kLanes * sizeof(S) == 64;
+
+/// Whether a grouped task's P·V step (paced by a PrefetchCursor, whose lines run a whole sub-block ahead in memory
+/// order) also prefetches the rows kDecodeSpreadKeys ahead in its reading order one line per vector column, as a
+/// head-major step does where kSpreadAhead holds (the same compilers, types and head_dims). The cursor's lines, 64 KiB
+/// ahead at Hkv = 8, D = 128, overflow Zen 5's 48 KiB L1 before they are read; these fetch the rows again into L1 just
+/// before their loads. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BSHD float, one thread, clang++, paired):
+/// from DRAM 0.966–0.968 of the time (20 of 20 rounds, two runs), from L3 1.09–1.10 (the step's memory operations, 6
+/// loads and 4 stores per 8 FMAs, gain two prefetches). DRAM decides. The same in the Q·Kᵀ steps gained nothing from
+/// DRAM and cost 1.01–1.03 from L3, and 4, 12 or 16 rows ahead gained less than 8 (bench/README.md, "2026-12-05,
+/// twenty-fifth session").
+template <class Tag, class S, Index kDim>
+inline constexpr bool kSpreadAheadPaced = kSpreadAhead<Tag, S, false, kDim>;
+
+/// The rows a decoding call's reading goes on with (the next kv head's in the sub-block, or the next sub-block's),
+/// `keys` of them, `ld` apart: where a step spreads its prefetches ahead (kSpreadAhead, kSpreadAheadPaced), the steps
+/// whose rows ahead lie past the call's last key prefetch these instead of the call's last rows again. None by default.
+template <class S>
+struct NextRows {
+  const S* rows = nullptr;
+  Index keys = 0;
+  Index ld = 0;
+};
+
+/// The first of `count` rows kDecodeSpreadKeys past key j in reading order: inside the call's `keys` rows (`ld` apart
+/// from `first`), or, past them, inside `next` (if it holds `count` rows), else the call's last `count` rows. Every row
+/// named is one the task reads. Complexity: O(1); throws nothing.
+template <class Tag, class S>
+QKV_ALWAYS_INLINE inline const S* spread_rows(const S* first, Index ld, Index j, Index keys, Index count,
+                                              const NextRows<S>& next) noexcept {
+  const Index ahead = j + FusedTiles<Tag>::kDecodeSpreadKeys;
+  if (ahead >= keys && next.keys >= count) {
+    return next.rows + std::min(ahead - keys, next.keys - count) * next.ld;
+  }
+  return first + std::min(ahead, keys - count) * ld;
+}
 
 /// Keys per step of qk_in_place (its NK) and of pv_in_place (its NV): what a PrefetchCursor's steps count.
 template <class Tag>
@@ -292,8 +328,9 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// One step of pv_in_place: acc_o[r] += Σ_n p[r][n] · v[n] over NV keys (rows of v, `ldv` apart), each acc_o vector
 /// loaded and stored once. The step's prefetch run, if any, is spread evenly over the vector columns
 /// (Run::per_column lines at each). kDim: Dv where with_head_dim compiles it in, else 0 (Dv read at run time).
-/// `ahead_rows`: the first of NV rows (`ldv` apart, inside the call's keys) whose lines the step prefetches one per
-/// vector column where kSpreadAhead holds; not read otherwise (then it may be null).
+/// `ahead_rows`: the first of NV rows (`ldv` apart, rows the task reads: spread_rows) whose lines the step prefetches
+/// one per vector column where kSpreadAhead (unpaced) or kSpreadAheadPaced (paced) holds; not read otherwise (then it
+/// may be null).
 template <class Tag, int R, int NV, bool kPaced, Index kDim, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
                     typename PrefetchCursor<S>::Run& run, const S* ahead_rows) noexcept {
@@ -309,7 +346,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   const Index per_column = kPaced ? run.per_column(full / L) : 0;
   for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
     if constexpr (kPaced) run.issue_next(per_column);
-    if constexpr (kSpreadAhead<Tag, S, kPaced, kDim>) {
+    if constexpr (kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpreadAhead<Tag, S, false, kDim>) {
       QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch(ahead_rows + n * ldv + c);
     }
     Vec x[NV];
@@ -340,7 +377,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
 /// only where there is a cursor (kPaced): a head-major task has none.
 template <class Tag, int R, class S, int NV, bool kPaced, Index kDim>
 inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index dv_runtime,
-                    PrefetchCursor<S>* ahead) noexcept {
+                    PrefetchCursor<S>* ahead, const NextRows<S>& next) noexcept {
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
   const Index Dv = kDim > 0 ? kDim : dv_runtime;
   Index j = 0;
@@ -351,7 +388,8 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
     if (!kSpread && j + kDecodePrefetchKeys + NV <= keys) {
       QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
     }
-    const S* ahead_rows = kSpread ? v + std::min(j + FusedTiles<Tag>::kDecodeSpreadKeys, keys - NV) * ldv : nullptr;
+    constexpr bool kSpreadAny = kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpread;
+    const S* ahead_rows = kSpreadAny ? spread_rows<Tag>(v, ldv, j, keys, NV, next) : nullptr;
     pv_step<Tag, R, NV, kPaced, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.
@@ -368,9 +406,9 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
 /// how the compilers inlined the head-major P·V, which then took 1.02–1.08 (clang++) and 1.14 (g++) of the time.
 template <class Tag, int R, class S, int NV>
 QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo,
-                                  Index Dv, PrefetchCursor<S>* ahead) noexcept {
+                                  Index Dv, PrefetchCursor<S>* ahead, const NextRows<S>& next) noexcept {
   with_head_dim<Tag>(Dv, [&](auto dim) {
-    pv_keys<Tag, R, S, NV, true, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+    pv_keys<Tag, R, S, NV, true, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
   });
 }
 
@@ -384,19 +422,21 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// element takes its keys' FMAs in key order whatever NV is, so NV does not change the bits. Dv tails by masked
 /// loads; the keys past the last whole step by pairs, then one. V is stored as S and converted as it is loaded, like
 /// K in qk_in_place. A grouped task passes NV = kPvGroupedKeysPerStep. `ahead`, if given, hands each step of NV keys
-/// its run of lines, prefetched spread over the vector columns between the FMAs (out of line, pv_paced); at Dv = 64 and
-/// 128 the loop over the columns is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches
-/// as qk_in_place does (a burst kDecodePrefetchKeys ahead, or kDecodeSpreadKeys ahead one line per column where
-/// kSpreadAhead holds).
+/// its run of lines, prefetched spread over the vector columns between the FMAs (out of line, pv_paced), and where
+/// kSpreadAheadPaced holds each step also prefetches the rows kDecodeSpreadKeys ahead in reading order, inside the
+/// call's keys or past them in `next` (spread_rows); at Dv = 64 and 128 the loop over the columns is unrolled
+/// (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches as qk_in_place does (a burst
+/// kDecodePrefetchKeys ahead, or kDecodeSpreadKeys ahead one line per column where kSpreadAhead holds, then also into
+/// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds.
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
-                        PrefetchCursor<S>* ahead = nullptr) noexcept {
+                        PrefetchCursor<S>* ahead = nullptr, const NextRows<S>& next = NextRows<S>()) noexcept {
   static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
   if (ahead != nullptr) {
-    pv_paced<Tag, R, S, NV>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+    pv_paced<Tag, R, S, NV>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
   } else {
     with_head_dim<Tag>(Dv, [&](auto dim) {
-      pv_keys<Tag, R, S, NV, false, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead);
+      pv_keys<Tag, R, S, NV, false, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
     });
   }
 }

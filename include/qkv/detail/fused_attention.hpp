@@ -304,7 +304,8 @@ class FusedAttention {
   /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
   /// that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
   /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
-  /// (PrefetchCursor), paced over the sub-block's arithmetic.
+  /// (PrefetchCursor), paced over the sub-block's arithmetic; its P·V calls also name the rows their reading goes on
+  /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced).
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
@@ -399,12 +400,28 @@ class FusedAttention {
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
+            // Where a grouped task's reading goes on after this head's rows (the next head's, the next sub-block's or
+            // the next block's first K rows): its P·V steps prefetch those rows as they near the call's end.
+            NextRows<S> after_head;
+            if (grouped) {
+              const Index next_block = j0 + block,
+                          next_keys = std::min(sub_keys, std::min(block, range.end - next_block));
+              if (hk + 1 < t.n_kv) {
+                after_head = {v_head + v_.stride(1), keys, ldv};
+              } else if (jb + keys < n) {
+                after_head = {v_tile + (jb + keys) * ldv, std::min(sub_keys, n - jb - keys), ldv};
+              } else if (next_keys > 0) {
+                after_head = {&k_(vb, t.h_kv, kv_row0 + next_block, 0), next_keys, ldk};
+              }
+            }
             for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
               dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
                 constexpr int R = std::min(4, decltype(rows_constant)::value);
                 if (grouped) {
+                  // A row group before the head's last reads the same rows next.
+                  const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys, ldv} : after_head;
                   pv_in_place<Tag, R, S, kPvGroupedStep>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv,
-                                                         Dv, Dv, &v_ahead);
+                                                         Dv, Dv, &v_ahead, next);
                 } else {
                   pv_in_place<Tag, R, S>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv,
                                          nullptr);
