@@ -2,8 +2,9 @@
 //
 // Decoding (few query rows) reads the whole cache once per token, so it streams K and V where they lie instead of
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
-// values, each prefetching FusedTiles::kDecodePrefetchKeys rows ahead inside its own key range; a task over token-major
-// K and V also hands them a PrefetchCursor, whose whole rows ahead they issue a share per step. Per key and kv head
+// values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys or kDecodeSpreadKeys) inside its own key
+// range or the rows read next; a task over token-major K and V also hands them a PrefetchCursor, whose whole rows ahead
+// they issue a share per step. Per key and kv head
 // (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. The micro-kernels are also compiled for
 // D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
 //
@@ -148,8 +149,9 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
 }
 
 /// Whether a head-major decoding step (no PrefetchCursor) prefetches its rows ahead one line per vector column, between
-/// the FMAs of the unrolled columns (the line of each row ahead that starts at that column, the rows clamped to the
-/// call's last whole step so that no branch is needed), instead of prefetch_row's burst of whole rows before the step:
+/// the FMAs of the unrolled columns (the line of each row ahead that starts at that column, the rows chosen once per
+/// step, clamped to the call's last whole step or, in P·V, taken from the rows read next: spread_rows; no branch among
+/// the FMAs), instead of prefetch_row's burst of whole rows before the step:
 /// where the head_dim is compiled in (kDim > 0) and a vector is exactly a cache line (float on a 16-lane tag), so that
 /// every line of a row has its column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128,
 /// BHSD float, one thread, paired against the burst, both 16 rows ahead): from DRAM 0.90–0.95 of the time with clang++
@@ -172,32 +174,34 @@ inline constexpr bool kSpreadAhead = kSpreadAheadCompiler && !kPaced && kDim > 0
 /// head-major step does where kSpreadAhead holds (the same compilers, types and head_dims). The cursor's lines, 64 KiB
 /// ahead at Hkv = 8, D = 128, overflow Zen 5's 48 KiB L1 before they are read; these fetch the rows again into L1 just
 /// before their loads. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BSHD float, one thread, clang++, paired):
-/// from DRAM 0.966–0.968 of the time (20 of 20 rounds, two runs), from L3 1.09–1.10 (the step's memory operations, 6
-/// loads and 4 stores per 8 FMAs, gain two prefetches). DRAM decides. The same in the Q·Kᵀ steps gained nothing from
-/// DRAM and cost 1.01–1.03 from L3, and 4, 12 or 16 rows ahead gained less than 8 (bench/README.md, "2026-12-05,
+/// from DRAM 0.876–0.968 of the time (15–20 of 16–20 rounds, five runs), from L3 1.07–1.10 (the step's memory
+/// operations, 6 loads and 4 stores per 8 FMAs, gain two prefetches). DRAM decides. The same in the Q·Kᵀ steps gained
+/// nothing from DRAM, and from DRAM 4, 12 or 16 rows ahead gained less than 8 (bench/README.md, "2026-12-05,
 /// twenty-fifth session").
 template <class Tag, class S, Index kDim>
 inline constexpr bool kSpreadAheadPaced = kSpreadAhead<Tag, S, false, kDim>;
 
-/// The rows a decoding call's reading goes on with (the next kv head's in the sub-block, or the next sub-block's),
-/// `keys` of them, `ld` apart: where a step spreads its prefetches ahead (kSpreadAhead, kSpreadAheadPaced), the steps
-/// whose rows ahead lie past the call's last key prefetch these instead of the call's last rows again. None by default.
+/// The rows a decoding call's reading goes on with (the next kv head's in the sub-block, the next sub-block's, or the
+/// next block's first K rows), `keys` of them: where a step spreads its prefetches ahead (kSpreadAhead,
+/// kSpreadAheadPaced), the steps whose rows ahead lie past the call's last key prefetch these instead of the call's
+/// last rows again. They must lie as far apart as the call's rows (its `ld`), and each must hold at least as many
+/// elements as the call's rows (its D or Dv), all of them read by the task: the step prefetches every row and column
+/// there as in its own rows. None by default.
 template <class S>
 struct NextRows {
   const S* rows = nullptr;
   Index keys = 0;
-  Index ld = 0;
 };
 
-/// The first of `count` rows kDecodeSpreadKeys past key j in reading order: inside the call's `keys` rows (`ld` apart
-/// from `first`), or, past them, inside `next` (if it holds `count` rows), else the call's last `count` rows. Every row
-/// named is one the task reads. Complexity: O(1); throws nothing.
+/// The first of `count` rows (`ld` apart) kDecodeSpreadKeys past key j in reading order: inside the call's `keys` rows
+/// from `first`, or, from the call's end on, inside `next` if it holds `count` rows, else the call's last `count` rows
+/// again. Complexity: O(1); throws nothing.
 template <class Tag, class S>
 QKV_ALWAYS_INLINE inline const S* spread_rows(const S* first, Index ld, Index j, Index keys, Index count,
                                               const NextRows<S>& next) noexcept {
   const Index ahead = j + FusedTiles<Tag>::kDecodeSpreadKeys;
   if (ahead >= keys && next.keys >= count) {
-    return next.rows + std::min(ahead - keys, next.keys - count) * next.ld;
+    return next.rows + std::min(ahead - keys, next.keys - count) * ld;
   }
   return first + std::min(ahead, keys - count) * ld;
 }
@@ -328,9 +332,9 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// One step of pv_in_place: acc_o[r] += Σ_n p[r][n] · v[n] over NV keys (rows of v, `ldv` apart), each acc_o vector
 /// loaded and stored once. The step's prefetch run, if any, is spread evenly over the vector columns
 /// (Run::per_column lines at each). kDim: Dv where with_head_dim compiles it in, else 0 (Dv read at run time).
-/// `ahead_rows`: the first of NV rows (`ldv` apart, rows the task reads: spread_rows) whose lines the step prefetches
-/// one per vector column where kSpreadAhead (unpaced) or kSpreadAheadPaced (paced) holds; not read otherwise (then it
-/// may be null).
+/// `ahead_rows`: the first of NV rows (`ldv` apart, at least Dv wide, rows the task reads: spread_rows) whose lines
+/// the step prefetches one per vector column where kSpreadAhead (unpaced) or kSpreadAheadPaced (paced) holds; not read
+/// otherwise (then it may be null).
 template <class Tag, int R, int NV, bool kPaced, Index kDim, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
                     typename PrefetchCursor<S>::Run& run, const S* ahead_rows) noexcept {

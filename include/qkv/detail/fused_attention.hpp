@@ -403,15 +403,15 @@ class FusedAttention {
             // Where a grouped task's reading goes on after this head's rows (the next head's, the next sub-block's or
             // the next block's first K rows): its P·V steps prefetch those rows as they near the call's end.
             NextRows<S> after_head;
-            if (grouped) {
+            if (grouped && kSpreadAheadPaced<Tag, S, 128>) {  // the steps read it only then (any compiled-in Dv alike)
               const Index next_block = j0 + block,
                           next_keys = std::min(sub_keys, std::min(block, range.end - next_block));
               if (hk + 1 < t.n_kv) {
-                after_head = {v_head + v_.stride(1), keys, ldv};
+                after_head = {v_head + v_.stride(1), keys};
               } else if (jb + keys < n) {
-                after_head = {v_tile + (jb + keys) * ldv, std::min(sub_keys, n - jb - keys), ldv};
-              } else if (next_keys > 0) {
-                after_head = {&k_(vb, t.h_kv, kv_row0 + next_block, 0), next_keys, ldk};
+                after_head = {v_tile + (jb + keys) * ldv, std::min(sub_keys, n - jb - keys)};
+              } else if (next_keys > 0 && ldk == ldv && D >= Dv) {  // K rows as far apart as V's and as wide
+                after_head = {&k_(vb, t.h_kv, kv_row0 + next_block, 0), next_keys};
               }
             }
             for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
@@ -419,7 +419,7 @@ class FusedAttention {
                 constexpr int R = std::min(4, decltype(rows_constant)::value);
                 if (grouped) {
                   // A row group before the head's last reads the same rows next.
-                  const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys, ldv} : after_head;
+                  const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys} : after_head;
                   pv_in_place<Tag, R, S, kPvGroupedStep>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv,
                                                          Dv, Dv, &v_ahead, next);
                 } else {

@@ -58,7 +58,9 @@ struct FusedTiles {
   /// Keys ahead that a head-major step prefetches where it spreads them one line per vector column (kSpreadAhead in
   /// decode_kernels.hpp). Paired against 16 on Zen 5 (BHSD float, Skv = 32768, one thread, clang++): 8 rows took
   /// 0.940 and 0.957 of the time from DRAM (0.985 from L3), 12 rows 0.968, 4 rows 1.128, 24 rows 1.023–1.030, 32 rows
-  /// 1.055–1.064 (bench/README.md, "2026-12-05, twenty-fourth session").
+  /// 1.055–1.064 (bench/README.md, "2026-12-05, twenty-fourth session"). A grouped task's P·V steps prefetch as far
+  /// ahead in their reading order (kSpreadAheadPaced): from DRAM 4, 12 and 16 rows gained less than 8 there
+  /// ("2026-12-05, twenty-fifth session").
   static constexpr Index kDecodeSpreadKeys = 8;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
