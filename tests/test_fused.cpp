@@ -1043,8 +1043,9 @@ TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
 // spread_rows (decode_kernels.hpp): the first of a step's rows ahead, kDecodeSpreadKeys (8) past its key j in reading
 // order, is one of the call's rows or, from the call's end on, one of the `next` rows the task reads after them (a
 // grouped task's next kv head or sub-block), so that all `count` rows from it lie inside one of the two; never a row
-// outside both. Both lie in one buffer here (own rows 0 … 31, next rows from row 40, both `ld` apart), so that the
-// check compares row indices in it. The named cases are worked out by hand; the sweep checks the bounds.
+// outside both. Both lie in one buffer here (the call's rows from row 0, at most 20 of them; the next rows from row 40;
+// all `ld` apart), so that the check compares row indices in it. The named cases are worked out by hand; the sweep
+// checks the bounds.
 TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   namespace pass = qkv_test::emulated_pass;
   using Tag = qkv_test::Emulated16Tag;

@@ -151,16 +151,16 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
 /// Whether a head-major decoding step (no PrefetchCursor) prefetches its rows ahead one line per vector column, between
 /// the FMAs of the unrolled columns (the line of each row ahead that starts at that column, the rows chosen once per
 /// step, clamped to the call's last whole step or, in P·V, taken from the rows read next: spread_rows; no branch among
-/// the FMAs), instead of prefetch_row's burst of whole rows before the step:
-/// where the head_dim is compiled in (kDim > 0) and a vector is exactly a cache line (float on a 16-lane tag), so that
-/// every line of a row has its column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128,
-/// BHSD float, one thread, paired against the burst, both 16 rows ahead): from DRAM 0.90–0.95 of the time with clang++
-/// (14–16 of 16 rounds faster), from L3 0.92–0.97 (31–32 of 60: within the noise). g++ 12 schedules about half of a
-/// step's 32 prefetches back to its start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time (from
-/// L3 0.95–0.96), and DRAM decides, so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or AVX2),
-/// the lines spread over the first half of the columns took 1.03–1.10 of the time (f16 with both compilers, AVX2 with
-/// clang++), so those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are
-/// FusedTiles::kDecodeSpreadKeys ahead, not kDecodePrefetchKeys.
+/// the FMAs), instead of prefetch_row's burst of whole rows before the step: where the head_dim is compiled in
+/// (kDim > 0) and a vector is exactly a cache line (float on a 16-lane tag), so that every line of a row has its
+/// column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, one thread, paired
+/// against the burst, both 16 rows ahead): from DRAM 0.90–0.95 of the time with clang++ (14–16 of 16 rounds faster),
+/// from L3 0.92–0.97 (31–32 of 60: within the noise). g++ 12 schedules about half of a step's 32 prefetches back to its
+/// start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time (from L3 0.95–0.96), and DRAM decides,
+/// so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or AVX2), the lines spread over the first
+/// half of the columns took 1.03–1.10 of the time (f16 with both compilers, AVX2 with clang++), so those keep the burst
+/// too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are FusedTiles::kDecodeSpreadKeys ahead,
+/// not kDecodePrefetchKeys.
 #if defined(__clang__)
 inline constexpr bool kSpreadAheadCompiler = true;
 #else
