@@ -72,6 +72,46 @@ TEST(Dispatch, ChoosesThePinWhenItRunsElseTheBestCompiledKernelTheCpuRuns) {
   EXPECT_EQ(cases, 7 * 3 * 8);
 }
 
+// The decoding kernels' prefetch level (isa.hpp, choose_prefetch_level): L2 on AMD family 0x19 with AVX-512 (Zen 4)
+// only, L1 on every other CPU, each CPU case with every pin; the rule written out case by case.
+TEST(Dispatch, DecodePrefetchLevelIsL2OnZen4AndL1ElsewhereUnlessPinned) {
+  using qkv::detail::PrefetchLevel;
+  EXPECT_FALSE(qkv::detail::parse_prefetch_level(nullptr).pinned);
+  EXPECT_FALSE(qkv::detail::parse_prefetch_level("").pinned);
+  EXPECT_FALSE(qkv::detail::parse_prefetch_level("auto").pinned);
+  EXPECT_TRUE(qkv::detail::parse_prefetch_level("l1").pinned);
+  EXPECT_EQ(qkv::detail::parse_prefetch_level("l1").level, PrefetchLevel::l1);
+  EXPECT_EQ(qkv::detail::parse_prefetch_level("l2").level, PrefetchLevel::l2);
+  EXPECT_FALSE(qkv::detail::parse_prefetch_level("L2").found);
+  EXPECT_FALSE(qkv::detail::parse_prefetch_level("t1").found);
+  struct Cpu {
+    bool amd;
+    unsigned family;
+    bool avx512;
+    PrefetchLevel level;  // unpinned
+  };
+  const Cpu cpus[] = {
+      {true, 0x19, true, PrefetchLevel::l2},   // Zen 4
+      {true, 0x19, false, PrefetchLevel::l1},  // Zen 3
+      {true, 0x1A, true, PrefetchLevel::l1},   // Zen 5
+      {true, 0x17, false, PrefetchLevel::l1},  // Zen 2
+      {false, 0x06, true, PrefetchLevel::l1},  // an Intel core with AVX-512
+      {false, 0x19, true, PrefetchLevel::l1},  // family 0x19 of another vendor
+  };
+  const char* pins[] = {nullptr, "", "auto", "l1", "l2", "L1", "nta"};
+  for (const Cpu& cpu : cpus) {
+    for (const char* pin : pins) {
+      const std::string p = pin == nullptr ? "" : pin;
+      const char* why_not = "unset";
+      const PrefetchLevel level = qkv::detail::choose_prefetch_level(cpu.amd, cpu.family, cpu.avx512, pin, &why_not);
+      const PrefetchLevel expected = p == "l1" ? PrefetchLevel::l1 : p == "l2" ? PrefetchLevel::l2 : cpu.level;
+      const bool known = p.empty() || p == "auto" || p == "l1" || p == "l2";
+      EXPECT_EQ(level, expected) << "family " << cpu.family << " amd " << cpu.amd << " pin " << p;
+      EXPECT_EQ(why_not == nullptr, known) << "pin " << p;
+    }
+  }
+}
+
 /// The flags of the first processor in /proc/cpuinfo, space-padded ("" where the file does not exist).
 std::string cpuinfo_flags() {
   std::ifstream file("/proc/cpuinfo");

@@ -13,9 +13,12 @@
 // The choice is the same for every thread and never changes after the first call. It is made once per set of build
 // flags: a program whose translation units were all built with the same flags (the usual case) chooses once; units
 // built with different -march, QKV_DISPATCH or OpenMP settings each choose for themselves (config.hpp, ODR), from the
-// same CPU and pin. QKV_ISA_DEFAULT is for qkv's own tests: give every unit of a program the same value. Eigen's own code (the reference
-// backend, the Eigen products of the module and the classic scores) is not dispatched: it follows the build's flags.
-// Source: the dynamic dispatch of Highway (HWY_DYNAMIC_DISPATCH) and OpenBLAS's DYNAMIC_ARCH.
+// same CPU and pin. QKV_ISA_DEFAULT is for qkv's own tests: give every unit of a program the same value. Eigen's own
+// code (the reference backend, the Eigen products of the module and the classic scores) is not dispatched: it follows
+// the build's flags. Source: the dynamic dispatch of Highway (HWY_DYNAMIC_DISPATCH) and OpenBLAS's DYNAMIC_ARCH.
+//
+// Also chosen here, once per process: the cache level of the decoding kernels' software prefetches, L2 on AMD Zen 4 and
+// L1 elsewhere, or the QKV_DECODE_PREFETCH pin (decode_prefetch_level). A hint: no result depends on it.
 #pragma once
 
 #include <cstdio>
@@ -166,6 +169,88 @@ inline Isa active_isa() noexcept {
 }
 
 }  // namespace QKV_ISA_NAME
+
+/// Where the decoding kernels' software prefetches put K and V lines (simd::prefetch's locality): into every level,
+/// L1 included (`prefetcht0`), or into L2 and beyond (`prefetcht1`). A hint only: no result depends on it.
+enum class PrefetchLevel : int { l1 = 0, l2 = 1 };
+
+/// What a QKV_DECODE_PREFETCH text asks for: `pinned` is false for null, "" and "auto"; `found` false for an unknown
+/// name. Complexity: O(length).
+struct PrefetchRequest {
+  bool found = true;
+  bool pinned = false;
+  PrefetchLevel level = PrefetchLevel::l1;
+};
+inline PrefetchRequest parse_prefetch_level(const char* text) noexcept {
+  PrefetchRequest request;
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "auto") == 0) return request;
+  request.pinned = true;
+  if (std::strcmp(text, "l1") == 0) {
+    request.level = PrefetchLevel::l1;
+  } else if (std::strcmp(text, "l2") == 0) {
+    request.level = PrefetchLevel::l2;
+  } else {
+    request.found = false;
+  }
+  return request;
+}
+
+/// The decoding kernels' prefetch level for a CPU (`amd`: CPUID's vendor is AuthenticAMD; `family`: CPUID's display
+/// family; `avx512`: cpu_supports(Isa::avx512)), unless `pin` names one (parse_prefetch_level). L2 on AMD family 0x19
+/// with AVX-512 (Zen 4), L1 elsewhere. Measured on Zen 4 (EPYC, family 0x19 model 0x11; Sq = 1, Hq = 32, Hkv = 8,
+/// D = 128, one thread, paired), prefetching into L2 took decode from DRAM 0.60–0.69 of the time (head-major and
+/// token-major, float and f16), from L3 0.76–0.85: an L1 prefetch holds one of the L1's few miss buffers for the whole
+/// trip to DRAM, so that the stream waits on them (a loop of Q·Kᵀ steps read at 9.3–10.7 GB/s with `prefetcht0` at any
+/// distance, 10.8 without, 21.8 with `prefetcht1` 32 rows ahead). On Zen 5 (family 0x1A) every head-major prefetch
+/// into L2 took 1.20 (L3) and 1.26 (DRAM) of the time, and a token-major task's cursor lines alone into L2 1.01–1.10
+/// from DRAM, so Zen 5 keeps L1; on Zen 3 (family 0x19 without AVX-512) token-major decode from DRAM took 1.06 (float)
+/// and 0.97 (f16) with L2, and it keeps L1; Intel CPUs were not measured and keep L1, what every CPU ran before
+/// (bench/README.md, "2026-12-05, twenty-sixth session"). `why_not`, for a pin that names no level, is set to a reason
+/// for the caller to report. Pure.
+inline PrefetchLevel choose_prefetch_level(bool amd, unsigned family, bool avx512, const char* pin,
+                                           const char** why_not) noexcept {
+  *why_not = nullptr;
+  const PrefetchRequest request = parse_prefetch_level(pin);
+  if (request.pinned && request.found) return request.level;
+  if (request.pinned) *why_not = "is not one of l1, l2, auto";
+  return amd && family == 0x19 && avx512 ? PrefetchLevel::l2 : PrefetchLevel::l1;
+}
+
+/// CPUID's vendor (`amd`) and display family (base family, plus the extended family where the base is 0xF).
+inline void cpu_vendor_family(bool* amd, unsigned* family) noexcept {
+  *amd = false;
+  *family = 0;
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return;
+  *amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "Auth" "enti" "cAMD"
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return;
+  const unsigned base = (eax >> 8) & 0xFu;
+  *family = base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
+#endif
+}
+
+/// The decoding kernels' prefetch level for this process: the environment variable QKV_DECODE_PREFETCH (`l1`, `l2`,
+/// or `auto`/unset: by CPU), read once at the first decoding call, else choose_prefetch_level's rule; an unknown value
+/// is reported once on stderr and the CPU's level is used. The same for every thread; never changes after the first
+/// call. Complexity: O(1) after the first call.
+inline PrefetchLevel decode_prefetch_level() noexcept {
+  static const PrefetchLevel chosen = [] {
+    bool amd = false;
+    unsigned family = 0;
+    cpu_vendor_family(&amd, &family);
+    const char* pin = std::getenv("QKV_DECODE_PREFETCH");
+    const char* why_not = nullptr;
+    const PrefetchLevel level = choose_prefetch_level(amd, family, cpu_supports(Isa::avx512), pin, &why_not);
+    if (why_not != nullptr) {
+      std::fprintf(stderr, "qkv: QKV_DECODE_PREFETCH=%s %s; prefetching into %s\n", pin, why_not,
+                   level == PrefetchLevel::l2 ? "l2" : "l1");
+    }
+    return level;
+  }();
+  return chosen;
+}
+
 }  // namespace detail
 
 inline namespace QKV_ISA_NAME {

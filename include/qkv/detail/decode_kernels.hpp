@@ -4,7 +4,8 @@
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
 // values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys or kDecodeSpreadKeys) inside its own key
 // range or the rows read next; a task over token-major K and V also hands them a PrefetchCursor, whose whole rows ahead
-// they issue a share per step. Per key and kv head
+// they issue a share per step. Every prefetch goes to the cache level the kernels' kLocality names (simd::prefetch:
+// 3 into L1, 2 into L2), which run_decode_task takes from decode_prefetch_level() (isa.hpp). Per key and kv head
 // (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. The micro-kernels are also compiled for
 // D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
 //
@@ -61,9 +62,10 @@ class PrefetchCursor {
     const Index calls = std::max<Index>(steps, 1);
     per_step_ = (left_ + calls - 1) / calls;
   }
-  /// Prefetches every line not handed out yet.
+  /// Prefetches every line not handed out yet (into the levels kLocality names: simd::prefetch).
+  template <int kLocality = 3>
   void flush() noexcept {
-    flush([](const S* p) { simd::prefetch(p); });
+    flush([](const S* p) { simd::prefetch<kLocality>(p); });
   }
   /// flush() handing each line's first address to `line(const S*)`, which must not throw, instead of prefetching it
   /// (the tests read the addresses this way).
@@ -85,17 +87,19 @@ class PrefetchCursor {
     Index issued = 0;
     /// Prefetches the next `count` lines, or as many as are left: a loop of `columns` vector columns issues
     /// per_column(columns) at each, so that the run is spread over the whole loop.
+    template <int kLocality = 3>
     void issue_next(Index count) noexcept {
       QKV_NO_UNROLL
       for (const Index end = std::min(lines, issued + count); issued < end; ++issued) {
-        simd::prefetch(first + issued * kElementsPerLine);
+        simd::prefetch<kLocality>(first + issued * kElementsPerLine);
       }
     }
     Index per_column(Index columns) const noexcept { return columns > 0 ? (lines + columns - 1) / columns : lines; }
     /// Prefetches the lines not issued yet: what a loop of fewer columns than lines left, or the whole run.
+    template <int kLocality = 3>
     void issue_rest() noexcept {
       QKV_NO_UNROLL
-      for (; issued < lines; ++issued) simd::prefetch(first + issued * kElementsPerLine);
+      for (; issued < lines; ++issued) simd::prefetch<kLocality>(first + issued * kElementsPerLine);
     }
   };
   /// This step's share as one run of consecutive lines, for the caller to prefetch spread over the step's
@@ -221,7 +225,7 @@ inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : 
 /// qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor (kPaced): a
 /// head-major task has none, and its loop then keeps its pointers in registers. kDim: D where with_head_dim compiles
 /// it in, else 0 (D read at run time).
-template <class Tag, int R, bool kPaced, Index kDim, class S>
+template <class Tag, int R, bool kPaced, Index kDim, int kLocality, class S>
 inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index d_runtime, float* s, Index lds,
                      PrefetchCursor<S>* ahead) noexcept {
   using namespace simd;
@@ -243,11 +247,11 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
     const S* ahead_rows = kSpread ? k + std::min(j + FusedTiles<Tag>::kDecodeSpreadKeys, keys - NK) * ldk : nullptr;
     if (!kSpread && j + kDecodePrefetchKeys + NK <= keys) {
-      QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row(key + (kDecodePrefetchKeys + c) * ldk, D);
+      QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row<kLocality>(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
     for_each_column<kDim, L>(d_full, [&](Index d) QKV_ALWAYS_INLINE {
       if constexpr (kSpread) {
-        QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch(ahead_rows + c * ldk + d);
+        QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch<kLocality>(ahead_rows + c * ldk + d);
       }
       Vec kv[NK];
       QKV_UNROLL for (int c = 0; c < NK; ++c) {
@@ -284,7 +288,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
       QKV_UNROLL for (int c = 0; c < NK; ++c) s[r * lds + j + c] = sums[r * NK + c];
     }
     // The step's prefetch run, once its accumulators are reduced (see qk_in_place).
-    if constexpr (kPaced) run.issue_rest();
+    if constexpr (kPaced) run.template issue_rest<kLocality>();
   }
   for (; j < keys; ++j) {
     Vec acc[R];
@@ -316,16 +320,18 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, each step
 /// prefetches the rows kDecodePrefetchKeys ahead in one burst before its loads, or, where kSpreadAhead holds, the rows
 /// kDecodeSpreadKeys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
-/// branch, so no spills).
-template <class Tag, int R, class S>
+/// branch, so no spills). Every prefetch goes to the level kLocality names (simd::prefetch: 3 L1, 2 L2).
+template <class Tag, int R, int kLocality = 3, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
   if (ahead != nullptr) {
-    with_head_dim<Tag>(
-        D, [&](auto dim) { qk_steps<Tag, R, true, decltype(dim)::value>(q, ldq, k, ldk, keys, D, s, lds, ahead); });
+    with_head_dim<Tag>(D, [&](auto dim) {
+      qk_steps<Tag, R, true, decltype(dim)::value, kLocality>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+    });
   } else {
-    with_head_dim<Tag>(
-        D, [&](auto dim) { qk_steps<Tag, R, false, decltype(dim)::value>(q, ldq, k, ldk, keys, D, s, lds, ahead); });
+    with_head_dim<Tag>(D, [&](auto dim) {
+      qk_steps<Tag, R, false, decltype(dim)::value, kLocality>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+    });
   }
 }
 
@@ -335,7 +341,7 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// `ahead_rows`: the first of NV rows (`ldv` apart, at least Dv wide, rows the task reads: spread_rows) whose lines
 /// the step prefetches one per vector column where kSpreadAhead (unpaced) or kSpreadAheadPaced (paced) holds; not read
 /// otherwise (then it may be null).
-template <class Tag, int R, int NV, bool kPaced, Index kDim, class S>
+template <class Tag, int R, int NV, bool kPaced, Index kDim, int kLocality, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
                     typename PrefetchCursor<S>::Run& run, const S* ahead_rows) noexcept {
   using namespace simd;
@@ -349,9 +355,9 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   }
   const Index per_column = kPaced ? run.per_column(full / L) : 0;
   for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
-    if constexpr (kPaced) run.issue_next(per_column);
+    if constexpr (kPaced) run.template issue_next<kLocality>(per_column);
     if constexpr (kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpreadAhead<Tag, S, false, kDim>) {
-      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch(ahead_rows + n * ldv + c);
+      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch<kLocality>(ahead_rows + n * ldv + c);
     }
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) {
@@ -364,7 +370,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
       store(Tag(), o + r * ldo + c, acc);
     }
   });
-  if constexpr (kPaced) run.issue_rest();
+  if constexpr (kPaced) run.template issue_rest<kLocality>();
   if (tail > 0) {
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv_partial(Tag(), v + n * ldv + full, tail);
@@ -379,7 +385,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
 
 /// pv_in_place's body for head_dim kDim (0: Dv read at run time), with the prefetch runs' bookkeeping compiled in
 /// only where there is a cursor (kPaced): a head-major task has none.
-template <class Tag, int R, class S, int NV, bool kPaced, Index kDim>
+template <class Tag, int R, class S, int NV, bool kPaced, Index kDim, int kLocality>
 inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index dv_runtime,
                     PrefetchCursor<S>* ahead, const NextRows<S>& next) noexcept {
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
@@ -390,29 +396,31 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
     if constexpr (kPaced) run = ahead->next_run();
     constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
     if (!kSpread && j + kDecodePrefetchKeys + NV <= keys) {
-      QKV_UNROLL for (int n = 0; n < NV; ++n) simd::prefetch_row(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
+      QKV_UNROLL for (int n = 0; n < NV; ++n) {
+        simd::prefetch_row<kLocality>(v + (j + kDecodePrefetchKeys + n) * ldv, Dv);
+      }
     }
     constexpr bool kSpreadAny = kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpread;
     const S* ahead_rows = kSpreadAny ? spread_rows<Tag>(v, ldv, j, keys, NV, next) : nullptr;
-    pv_step<Tag, R, NV, kPaced, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
+    pv_step<Tag, R, NV, kPaced, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.
   typename PrefetchCursor<S>::Run none;
   if constexpr (NV > 2) {
     for (; j + 2 <= keys; j += 2) {
-      pv_step<Tag, R, 2, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none, v + j * ldv);
+      pv_step<Tag, R, 2, false, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none, v + j * ldv);
     }
   }
-  if (j < keys) pv_step<Tag, R, 1, false, kDim>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none, v + j * ldv);
+  if (j < keys) pv_step<Tag, R, 1, false, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, none, v + j * ldv);
 }
 
 /// pv_in_place with a cursor, out of line (QKV_NOINLINE): inlined into the decoding task, its unrolled bodies changed
 /// how the compilers inlined the head-major P·V, which then took 1.02–1.08 (clang++) and 1.14 (g++) of the time.
-template <class Tag, int R, class S, int NV>
+template <class Tag, int R, class S, int NV, int kLocality>
 QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo,
                                   Index Dv, PrefetchCursor<S>* ahead, const NextRows<S>& next) noexcept {
   with_head_dim<Tag>(Dv, [&](auto dim) {
-    pv_keys<Tag, R, S, NV, true, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
+    pv_keys<Tag, R, S, NV, true, decltype(dim)::value, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
   });
 }
 
@@ -431,16 +439,17 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// call's keys or past them in `next` (spread_rows); at Dv = 64 and 128 the loop over the columns is unrolled
 /// (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches as qk_in_place does (a burst
 /// kDecodePrefetchKeys ahead, or kDecodeSpreadKeys ahead one line per column where kSpreadAhead holds, then also into
-/// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds.
-template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>)>
+/// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds. Every prefetch goes
+/// to the level kLocality names, as in qk_in_place.
+template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>), int kLocality = 3>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr, const NextRows<S>& next = NextRows<S>()) noexcept {
   static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
   if (ahead != nullptr) {
-    pv_paced<Tag, R, S, NV>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
+    pv_paced<Tag, R, S, NV, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
   } else {
     with_head_dim<Tag>(Dv, [&](auto dim) {
-      pv_keys<Tag, R, S, NV, false, decltype(dim)::value>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
+      pv_keys<Tag, R, S, NV, false, decltype(dim)::value, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
     });
   }
 }

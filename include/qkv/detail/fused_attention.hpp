@@ -65,6 +65,7 @@
 #include "qkv/detail/score_tile.hpp"
 #include "qkv/detail/split_k.hpp"
 #include "qkv/detail/threads.hpp"
+#include "qkv/isa.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/simd/exp_constants.hpp"
 #include "qkv/simd/simd.hpp"
@@ -179,7 +180,11 @@ class FusedAttention {
   /// One task: a prefill sequence in base 2, or in base e where base 2 could overflow; a decoding sequence in base e.
   void run_task(const FusedTask& t, FusedScratch& s) const {
     if (decode_[static_cast<std::size_t>(t.sequence)]) {
-      run_decode_task(t, s);
+      if (decode_prefetch_level() == PrefetchLevel::l2) {
+        run_decode_task<2>(t, s);
+      } else {
+        run_decode_task<3>(t, s);
+      }
     } else if (!run_prefill_task<true>(t, s)) {
       run_prefill_task<false>(t, s);
     }
@@ -305,7 +310,10 @@ class FusedAttention {
   /// that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
   /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
   /// (PrefetchCursor), paced over the sub-block's arithmetic; its P·V calls also name the rows their reading goes on
-  /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced).
+  /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). Every
+  /// software prefetch of the task goes to the levels kLocality names (3: every level, 2: L2 and beyond;
+  /// simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp); prefetches change no result.
+  template <int kLocality>
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
@@ -369,12 +377,12 @@ class FusedAttention {
           for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
             dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
               constexpr int R = std::min(4, decltype(rows_constant)::value);
-              qk_in_place<Tag, R>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS,
-                                  grouped ? &k_ahead : nullptr);
+              qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS,
+                                             grouped ? &k_ahead : nullptr);
             });
           }
         }
-        k_ahead.flush();  // keys left over after the last whole step issue nothing
+        k_ahead.template flush<kLocality>();  // keys left over after the last whole step issue nothing
       }
       const bool index_mask = visibility == TileVisibility::partial;
       finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, s.scaled);
@@ -420,23 +428,23 @@ class FusedAttention {
                 if (grouped) {
                   // A row group before the head's last reads the same rows next.
                   const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys} : after_head;
-                  pv_in_place<Tag, R, S, kPvGroupedStep>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv,
-                                                         Dv, Dv, &v_ahead, next);
+                  pv_in_place<Tag, R, S, kPvGroupedStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
+                                                                    acc_o + r0 * Dv, Dv, Dv, &v_ahead, next);
                 } else {
-                  pv_in_place<Tag, R, S>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv,
-                                         nullptr);
+                  pv_in_place<Tag, R, S, static_cast<int>(kPvKeysPerStep<Tag>), kLocality>(
+                      acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv, nullptr);
                 }
               });
             }
           }
-          v_ahead.flush();
+          v_ahead.template flush<kLocality>();
         }
       } else {
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           pv_skip_zero_weights(acc_s + hk * GR * ldS, ldS, v_tile + hk * v_.stride(1), ldv, n, acc_o + hk * GR * Dv, Dv,
                                Dv, GR);
         }
-        if (grouped) next_sub_block(true, j0, n, n, 1).flush();  // the next block's first K rows
+        if (grouped) next_sub_block(true, j0, n, n, 1).template flush<kLocality>();  // the next block's first K rows
       }
     }
     finish_rows(t, softmax);

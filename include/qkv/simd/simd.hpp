@@ -23,20 +23,23 @@ namespace qkv {
 namespace simd {
 inline namespace QKV_ISA_NAME {
 
-/// Hints that the 64-byte line holding p will be read soon (a software prefetch into all cache levels). It never
-/// faults and has no effect on results; a no-op where the compiler offers no prefetch builtin. Always inlined: g++ 12
-/// left it out of line in the unrolled decoding steps, and then deleted the calls (a function without side effects),
-/// so that their 32 prefetches per step were never issued.
+/// Hints that the 64-byte line holding p will be read soon: a software prefetch into every cache level
+/// (kLocality = 3, x86's `prefetcht0`, the default) or into L2 and beyond, not L1 (kLocality = 2, `prefetcht1`):
+/// `__builtin_prefetch`'s locality. It never faults and has no effect on results; a no-op where the compiler offers
+/// no prefetch builtin. Always inlined: g++ 12 left it out of line in the unrolled decoding steps, and then deleted the
+/// calls (a function without side effects), so that their 32 prefetches per step were never issued.
+template <int kLocality = 3>
 QKV_ALWAYS_INLINE inline void prefetch(const void* p) noexcept {
+  static_assert(kLocality == 2 || kLocality == 3, "qkv: prefetch into every level (3) or into L2 and beyond (2)");
 #if defined(__GNUC__)
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, kLocality);
 #else
   (void)p;
 #endif
 }
 
-/// Hints that the first n elements of row p will be read soon: prefetch() once per 64-byte line.
-template <class S>
+/// Hints that the first n elements of row p will be read soon: prefetch<kLocality>() once per 64-byte line.
+template <int kLocality = 3, class S>
 inline void prefetch_row(const S* p, Index n) noexcept {
   constexpr Index kPerLine = 64 / static_cast<Index>(sizeof(S));
   // g++ keeps this a loop of one prefetch per pass; unrolled (as clang++ does by itself), its head-major decode from
@@ -44,7 +47,7 @@ inline void prefetch_row(const S* p, Index n) noexcept {
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC unroll 8
 #endif
-  for (Index d = 0; d < n; d += kPerLine) prefetch(p + d);
+  for (Index d = 0; d < n; d += kPerLine) prefetch<kLocality>(p + d);
 }
 
 /// The float value of a stored key or value, exact for every storage type (Eigen's conversions: a 16-bit ±∞ or NaN
