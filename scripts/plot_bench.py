@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""Reads bench_attention's JSON output, prints the complexity slopes and the memory table, and plots GFLOPS against T.
+"""Reads bench_attention's JSON output, prints the complexity slopes, the memory table and each decode row against
+its roofline (decode_roofline), and plots GFLOPS against T.
 
     OMP_WAIT_POLICY=passive ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
         --benchmark_out=bench.json --benchmark_out_format=json
@@ -34,7 +35,7 @@ def parse(path):
         elif b.get("run_type", "iteration") != "iteration":
             continue
         m = NAME.match(b.get("run_name", b["name"]))
-        kind, args = (m.group(1), m.group(2)) if m else (b["name"].replace("BM_", ""), "")
+        kind, args = (m.group(1), m.group(2)) if m else (b.get("run_name", b["name"]).replace("BM_", ""), "")
         row = {"kind": kind, "real_time": b["real_time"], "time_unit": b.get("time_unit", "ns")}
         for part in args.split("/"):
             if ":" in part:
@@ -99,6 +100,34 @@ def report(rows):
         print(f"  slope of the fused allocation against T: {slope(sorted((T, r['alloc_MiB']) for T, r in fused.items())):.2f}")
     if len(naive) >= 2:
         print(f"  slope of the naive score matrix against T: {slope(sorted((T, r['scores_MiB']) for T, r in naive.items())):.2f}")
+    decode_roofline(rows)
+
+
+STORAGE = {0: "float", 1: "f16", 2: "bf16"}
+
+
+def decode_roofline(rows):
+    """Each decode row against its roofline: the larger of its share of the read loop's rate (bytes per second,
+    same Skv and threads) and its share of the FMA loop's rate (one thread's, times the threads). Decode does 2·(D + Dv) FLOPs per
+    (query head, key) over D + Dv stored elements per (kv head, key): G / 2 FLOPs per byte of float K and V at
+    G = Hq / Hkv, G per byte of 16-bit ones; where the FMA loop's rate is below that many times the read loop's (from
+    L3 on a core whose FMAs are 256 bits wide, or whose read from L3 is fast), the arithmetic, not the read, bounds it.
+    """
+    peak = pick(rows, "FmaPeak")
+    decode = pick(rows, "FusedDecode")
+    if not decode:
+        return
+    print("\nDecode against its roofline (Sq = 1, Hq = 32, Hkv = 8, D = 128; shares of the same run's loops):")
+    print("  layout storage Skv    threads  GB/s   of read loop  GFLOP/s  of FMA loop  of roofline  bound")
+    for r in sorted(decode, key=lambda r: (r.get("bshd", 0), r.get("storage", 0), r["Skv"], r["threads"])):
+        read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
+        of_read = r["GBps"] / read[0]["GBps"] if read else float("nan")
+        of_fma = r["GFLOPS"] / (peak[0]["GFLOPS"] * r["threads"]) if peak else float("nan")
+        # The bound is the loop that would take longer over this row's bytes and FLOPs.
+        bound = "FMA" if of_fma > of_read else "read" if of_read == of_read else "?"
+        print(f"  {'bshd' if r.get('bshd') else 'bhsd':<6} {STORAGE.get(r.get('storage', 0), '?'):<7} {r['Skv']:<6d} "
+              f"{r['threads']:<8d} {r['GBps']:<6.1f} {of_read:<13.2f} {r['GFLOPS']:<8.1f} {of_fma:<12.2f} "
+              f"{max(of_read, of_fma):<12.2f} {bound}")
 
 
 def plot(context, rows, out):
