@@ -233,7 +233,8 @@ inline void cpu_vendor_family(bool* amd, unsigned* family) noexcept {
 /// The decoding kernels' prefetch level for this process: the environment variable QKV_DECODE_PREFETCH (`l1`, `l2`,
 /// or `auto`/unset: by CPU), read once at the first decoding call, else choose_prefetch_level's rule; an unknown value
 /// is reported once on stderr and the CPU's level is used. The same for every thread; never changes after the first
-/// call. Complexity: O(1) after the first call.
+/// call. The scalar kernel prefetches into L1 whatever this says (FusedTiles::kDecodePrefetchL2). Complexity: O(1)
+/// after the first call.
 inline PrefetchLevel decode_prefetch_level() noexcept {
   static const PrefetchLevel chosen = [] {
     bool amd = false;

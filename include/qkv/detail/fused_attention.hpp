@@ -180,11 +180,10 @@ class FusedAttention {
   /// One task: a prefill sequence in base 2, or in base e where base 2 could overflow; a decoding sequence in base e.
   void run_task(const FusedTask& t, FusedScratch& s) const {
     if (decode_[static_cast<std::size_t>(t.sequence)]) {
-      if (decode_prefetch_level() == PrefetchLevel::l2) {
-        run_decode_task<2>(t, s);
-      } else {
-        run_decode_task<3>(t, s);
+      if constexpr (Tiles::kDecodePrefetchL2) {
+        if (decode_prefetch_level() == PrefetchLevel::l2) return run_decode_task<2>(t, s);
       }
+      run_decode_task<3>(t, s);
     } else if (!run_prefill_task<true>(t, s)) {
       run_prefill_task<false>(t, s);
     }

@@ -71,6 +71,11 @@ struct FusedTiles {
   /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
   /// share it: it is one task per chunk, not one per kv head.
   static constexpr Index kDecodeMinChunks = 4;
+  /// Whether the decoding task is compiled a second time with every prefetch into L2 (run_task, isa.hpp's
+  /// decode_prefetch_level): the vector kernels only. On a CPU that picks L2 (Zen 4, with AVX-512) the scalar kernel
+  /// runs only under the QKV_ISA=scalar pin, a testing setting, and prefetches into L1 there too, so that a
+  /// dispatching build compiles one decoding copy fewer.
+  static constexpr bool kDecodePrefetchL2 = kLanes > 1;
   /// Floats per key of a packed chunk `width` ≤ kChunk columns wide: kChunk for a full chunk, the last chunk of Dv
   /// (or D) rounded up to whole vectors only, so that a narrow tail (Dv = 32, 80 or 96 on AVX-512) costs neither
   /// memory nor multiply-adds for columns that do not exist (pack_values, pv_chunk_tail).
