@@ -197,13 +197,19 @@ struct NextRows {
   Index keys = 0;
 };
 
-/// The first of `count` rows (`ld` apart) kDecodeSpreadKeys past key j in reading order: inside the call's `keys` rows
-/// from `first`, or, from the call's end on, inside `next` if it holds `count` rows, else the call's last `count` rows
+/// Keys ahead of a step's spread prefetches (kSpreadAhead, kSpreadAheadPaced): FusedTiles' kDecodeSpreadKeys, or
+/// kDecodeSpreadKeysL2 for a head-major step (no cursor: !kPaced) whose prefetches go into L2 (kLocality = 2).
+template <class Tag, bool kPaced, int kLocality>
+inline constexpr Index kSpreadKeys =
+    !kPaced && kLocality == 2 ? FusedTiles<Tag>::kDecodeSpreadKeysL2 : FusedTiles<Tag>::kDecodeSpreadKeys;
+
+/// The first of `count` rows (`ld` apart) kAhead keys past key j in reading order: inside the call's `keys` rows from
+/// `first`, or, from the call's end on, inside `next` if it holds `count` rows, else the call's last `count` rows
 /// again. Complexity: O(1); throws nothing.
-template <class Tag, class S>
+template <class Tag, Index kAhead = FusedTiles<Tag>::kDecodeSpreadKeys, class S>
 QKV_ALWAYS_INLINE inline const S* spread_rows(const S* first, Index ld, Index j, Index keys, Index count,
                                               const NextRows<S>& next) noexcept {
-  const Index ahead = j + FusedTiles<Tag>::kDecodeSpreadKeys;
+  const Index ahead = j + kAhead;
   if (ahead >= keys && next.keys >= count) {
     return next.rows + std::min(ahead - keys, next.keys - count) * ld;
   }
@@ -245,7 +251,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
     typename PrefetchCursor<S>::Run run;
     if constexpr (kPaced) run = ahead->next_run();
     constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
-    const S* ahead_rows = kSpread ? k + std::min(j + FusedTiles<Tag>::kDecodeSpreadKeys, keys - NK) * ldk : nullptr;
+    const S* ahead_rows = kSpread ? k + std::min(j + kSpreadKeys<Tag, kPaced, kLocality>, keys - NK) * ldk : nullptr;
     if (!kSpread && j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row<kLocality>(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
@@ -401,7 +407,8 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
       }
     }
     constexpr bool kSpreadAny = kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpread;
-    const S* ahead_rows = kSpreadAny ? spread_rows<Tag>(v, ldv, j, keys, NV, next) : nullptr;
+    const S* ahead_rows =
+        kSpreadAny ? spread_rows<Tag, kSpreadKeys<Tag, kPaced, kLocality>>(v, ldv, j, keys, NV, next) : nullptr;
     pv_step<Tag, R, NV, kPaced, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.

@@ -62,6 +62,12 @@ struct FusedTiles {
   /// ahead in their reading order (kSpreadAheadPaced): from DRAM 4, 12 and 16 rows gained less than 8 there
   /// ("2026-12-05, twenty-fifth session").
   static constexpr Index kDecodeSpreadKeys = 8;
+  /// kDecodeSpreadKeys for a head-major step whose prefetches go into L2 (isa.hpp's decode_prefetch_level: Zen 4).
+  /// Paired against 8 on Zen 4 (BHSD float, Skv = 32768, one thread, clang++, prefetches into L2): 16 rows took 0.850
+  /// of the time from DRAM (16 of 16 rounds), 24 rows 0.873, 32 rows 0.899; 32 against 16 1.015 (8 of 20), and from L3
+  /// 16 against 8 0.985 (23 of 40, within the noise). A grouped task's P·V spread keeps 8: 16 took its token-major
+  /// decode from DRAM 1.011 of the time (5 of 20) (bench/README.md, "2026-12-05, twenty-seventh session").
+  static constexpr Index kDecodeSpreadKeysL2 = 16;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
   /// key rows, paced over its micro-kernel steps (decode_kernels.hpp, PrefetchCursor). Measured on Zen 5 with float
