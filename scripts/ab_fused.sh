@@ -9,7 +9,7 @@
 #   bash scripts/ab_fused.sh REV_A REV_B --backward-bits [--perturb] [NAME...]
 #                                                                     # the backward's bit identity (or NAME...)
 #   bash scripts/ab_fused.sh REV_A REV_B --backward-list              # the backward's case names
-#   bash scripts/ab_fused.sh REV_A REV_B --decode [layout storage Skv rounds [cached] [D=N]]
+#   bash scripts/ab_fused.sh REV_A REV_B --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]
 #                                                                     # decode speed; defaults: bshd f16 32768 16
 #
 # REV_A, REV_B: git revisions, or `.` for the working tree. --bits runs each case (a shape × an option preset; the list
@@ -22,9 +22,9 @@
 # backward: its own cases (shapes × presets, dropout among them; --backward-list names them), dQ, dK and dV of B
 # against A's at 1 and 2 OpenMP threads, exit 1 if any bit differs; --perturb flips one bit of B's dQ, dK and dV in
 # every case.
-# --decode times one decoding step of A and B alternately (B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128 or N, Skv keys;
-# layout bshd or bhsd; K and V stored as float, f16 or bf16, q and out float) and prints the median microseconds and
-# GB/s of K and V of each, the median of the per-round ratios B / A and whether the outputs are bit-identical; each
+# --decode times one decoding step of A and B alternately (B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, Skv
+# keys; layout bshd or bhsd; K and V stored as float, f16 or bf16, q and out float) and prints the median microseconds
+# and GB/s of K and V of each, the median of the per-round ratios B / A and whether the outputs are bit-identical; each
 # call after a read of 128 MiB (K and V from memory), or with `cached` after an untimed call of the same side (K and
 # V from the cache where they fit: the micro-kernels' speed).
 # Environment:
@@ -53,7 +53,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 usage="usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal | --bits [--perturb] [NAME...] | --time NAME [rounds]"
 usage+=" | --list | --backward [T D causal rounds dropout_p] | --backward-bits [--perturb] [NAME...] | --backward-list"
-usage+=" | --decode [layout storage Skv rounds [cached] [D=N]]]"
+usage+=" | --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]]"
 rev_a=${1:?$usage}
 rev_b=${2:?$usage}
 shift 2

@@ -49,19 +49,20 @@
 //                                  --perturb flips the lowest bit of B's first non-NaN dQ, dK and dV: every line must
 //                                  then read 1, 1 and 1, and the run exit 1.
 //   ab_fused --backward-list       the backward case names.
-//   ab_fused --decode [layout storage Skv rounds [cached] [D=N]]  (cached and D=N in either order)
-//                                  speed of one decoding step (defaults bshd f16 32768 16): B = 1, Sq = 1, Hq = 32,
-//                                  Hkv = 8, D = Dv = 128 (or N), fused, one thread; layout bshd (token-major) or bhsd;
-//                                  K and V stored as float, f16 (Eigen::half) or bf16 (Eigen::bfloat16), rounded once
-//                                  from random normal floats; q and out float. A and B alternate as in --backward, each
-//                                  round after the FMA loop, each call after an untimed read of 128 MiB (so that
-//                                  neither finds K and V in the cache the other left). Prints the median microseconds
-//                                  of each version with the GB/s of K and V it reads (2·Skv·Hkv·D·sizeof(storage) bytes
-//                                  per call), the median of the per-round ratios B / A with their range, how many
-//                                  rounds B won, and whether A's and B's outputs are bit-identical. With `cached`, each
-//                                  timed call comes right after an untimed call of the same side instead of the read of
-//                                  128 MiB: K and V then come from the cache where they fit (Skv = 2048 in float is
-//                                  16 MiB), which is the micro-kernels' speed rather than the memory's.
+//   ab_fused --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]  (the last three in any order)
+//                                  speed of one decoding step (defaults bshd f16 32768 16): B = 1, Sq = 1, Hq = 32 (or
+//                                  N, a multiple of 8), Hkv = 8, D = Dv = 128 (or N), fused, one thread; layout bshd
+//                                  (token-major) or bhsd; K and V stored as float, f16 (Eigen::half) or bf16
+//                                  (Eigen::bfloat16), rounded once from random normal floats; q and out float. A and B
+//                                  alternate as in --backward, each round after the FMA loop, each call after an
+//                                  untimed read of 128 MiB (so that neither finds K and V in the cache the other left).
+//                                  Prints the median microseconds of each version with the GB/s of K and V it reads
+//                                  (2·Skv·Hkv·D·sizeof(storage) bytes per call), the median of the per-round ratios B /
+//                                  A with their range, how many rounds B won, and whether A's and B's outputs are
+//                                  bit-identical. With `cached`, each timed call comes right after an untimed call of
+//                                  the same side instead of the read of 128 MiB: K and V then come from the cache where
+//                                  they fit (Skv = 2048 in float is 16 MiB), which is the micro-kernels' speed rather
+//                                  than the memory's.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -1133,8 +1134,8 @@ int backward_bits_mode(const std::vector<std::string>& filters, bool perturb) {
 // S (rounded once from random normal floats), q and out float, one thread; A and B alternate as in the backward's
 // speed mode.
 template <class S>
-int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, bool cached, long D) {
-  const long Hq = 32, Hkv = 8;
+int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, bool cached, long D, long Hq) {
+  const long Hkv = 8;
   const std::size_t kv_size = static_cast<std::size_t>(Skv * Hkv * D);
   std::vector<float> q(static_cast<std::size_t>(Hq * D)), out_a(q.size(), kNaN), out_b(q.size(), kNaN);
   std::vector<S> k(kv_size), v(kv_size);
@@ -1181,9 +1182,9 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b);
   const double kv_bytes = 2.0 * double(kv_size) * double(sizeof(S));
   std::printf(
-      "decode Skv=%ld %s %s K/V%s (B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = %ld), one thread, %d rounds; "
+      "decode Skv=%ld %s %s K/V%s (B = 1, Sq = 1, Hq = %ld, Hkv = 8, D = Dv = %ld), one thread, %d rounds; "
       "A = qkv (%s), B = qkv_b (%s)\n",
-      Skv, layout == Layout::bhsd ? "bhsd" : "bshd", storage, cached ? ", cached" : "", D, rounds, qkv::isa_name(),
+      Skv, layout == Layout::bhsd ? "bhsd" : "bshd", storage, cached ? ", cached" : "", Hq, D, rounds, qkv::isa_name(),
       qkv_b::isa_name());
   std::printf("A median %9.1f us (%6.1f GB/s of K and V)\n", median_of(p.a) * 1e6, kv_bytes / median_of(p.a) * 1e-9);
   std::printf("B median %9.1f us (%6.1f GB/s of K and V)\n", median_of(p.b) * 1e6, kv_bytes / median_of(p.b) * 1e-9);
@@ -1210,10 +1211,11 @@ int usage(const char* argv0) {
                "       %s --backward-bits [--perturb] [NAME...]\n"
                "           bit check of the backward's cases (or those whose name contains NAME)\n"
                "       %s --backward-list            backward case names\n"
-               "       %s --decode [layout storage Skv rounds [cached] [D=N]]\n"
+               "       %s --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]\n"
                "           decode speed (defaults bshd f16 32768 16; layout bshd or bhsd, storage float, f16 or bf16\n"
-               "           for K and V; B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv = 128 or N, one thread; cached: K and\n"
-               "           V left in the cache by an untimed call, not evicted; cached and D=N in either order)\n",
+               "           for K and V; B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, one thread;\n"
+               "           cached: K and V left in the cache by an untimed call, not evicted; the last three in any\n"
+               "           order)\n",
                argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
   return 2;
 }
@@ -1277,35 +1279,43 @@ int main(int argc, char** argv) {
   }
   if (mode == "--decode") {
 #if defined(QKV_AB_DECODE)
-    if (argc > 8) return usage(argv[0]);
+    if (argc > 9) return usage(argv[0]);
     const std::string layout_name = argc > 2 ? argv[2] : "bshd", storage = argc > 3 ? argv[3] : "f16";
     const long Skv = argc > 4 ? std::atol(argv[4]) : 32768;
     const int rounds = argc > 5 ? std::atoi(argv[5]) : 16;
     bool cached = false, bad_option = false;
-    long D = 128;
-    for (int i = 6; i < argc; ++i) {  // `cached` and `D=N`, in either order
+    long D = 128, Hq = 32;
+    for (int i = 6; i < argc; ++i) {  // `cached`, `D=N` and `Hq=N`, in any order
       const std::string option = argv[i];
+      const auto number = [&](std::size_t prefix) {
+        char* end = nullptr;
+        const long n = std::strtol(option.c_str() + prefix, &end, 10);
+        if (end == option.c_str() + prefix || *end != '\0') bad_option = true;
+        return n;
+      };
       if (option == "cached") {
         cached = true;
       } else if (option.rfind("D=", 0) == 0) {
-        char* end = nullptr;
-        D = std::strtol(option.c_str() + 2, &end, 10);
-        if (end == option.c_str() + 2 || *end != '\0') bad_option = true;
+        D = number(2);
+      } else if (option.rfind("Hq=", 0) == 0) {
+        Hq = number(3);
+        if (Hq % 8 != 0) bad_option = true;  // Hkv = 8 divides it
       } else {
         bad_option = true;
       }
     }
     if ((layout_name != "bshd" && layout_name != "bhsd") ||
-        (storage != "float" && storage != "f16" && storage != "bf16") || Skv < 1 || rounds < 1 || D < 1 || bad_option) {
+        (storage != "float" && storage != "f16" && storage != "bf16") || Skv < 1 || rounds < 1 || D < 1 || Hq < 8 ||
+        bad_option) {
       std::fprintf(stderr,
                    "layout must be bshd or bhsd, storage float, f16 or bf16, Skv, rounds and D at least 1, and the "
-                   "arguments after rounds, if any, cached or D=N\n");
+                   "arguments after rounds, if any, cached, D=N or Hq=N (a multiple of 8)\n");
       return 2;
     }
     const Layout layout = layout_name == "bhsd" ? Layout::bhsd : Layout::bshd;
-    if (storage == "f16") return decode_speed_mode<Eigen::half>(layout, "f16", Skv, rounds, cached, D);
-    if (storage == "bf16") return decode_speed_mode<Eigen::bfloat16>(layout, "bf16", Skv, rounds, cached, D);
-    return decode_speed_mode<float>(layout, "float", Skv, rounds, cached, D);
+    if (storage == "f16") return decode_speed_mode<Eigen::half>(layout, "f16", Skv, rounds, cached, D, Hq);
+    if (storage == "bf16") return decode_speed_mode<Eigen::bfloat16>(layout, "bf16", Skv, rounds, cached, D, Hq);
+    return decode_speed_mode<float>(layout, "float", Skv, rounds, cached, D, Hq);
 #else
     std::fprintf(stderr, "%s: built without the decode mode (scripts/ab_fused.sh defines QKV_AB_DECODE for it)\n",
                  argv[0]);

@@ -311,7 +311,8 @@ class FusedAttention {
   /// (PrefetchCursor), paced over the sub-block's arithmetic; its P·V calls also name the rows their reading goes on
   /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). Every
   /// software prefetch of the task goes to the levels kLocality names (3: every level, 2: L2 and beyond;
-  /// simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp); prefetches change no result.
+  /// simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp; the scalar kernel: L1 only,
+  /// FusedTiles::kDecodePrefetchL2); prefetches change no result.
   template <int kLocality>
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);

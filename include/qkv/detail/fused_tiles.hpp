@@ -60,13 +60,16 @@ struct FusedTiles {
   /// 0.940 and 0.957 of the time from DRAM (0.985 from L3), 12 rows 0.968, 4 rows 1.128, 24 rows 1.023–1.030, 32 rows
   /// 1.055–1.064 (bench/README.md, "2026-12-05, twenty-fourth session"). A grouped task's P·V steps prefetch as far
   /// ahead in their reading order (kSpreadAheadPaced): from DRAM 4, 12 and 16 rows gained less than 8 there
-  /// ("2026-12-05, twenty-fifth session").
+  /// ("2026-12-05, twenty-fifth session"). Where a head-major step's prefetches go into L2: kDecodeSpreadKeysL2.
   static constexpr Index kDecodeSpreadKeys = 8;
   /// kDecodeSpreadKeys for a head-major step whose prefetches go into L2 (isa.hpp's decode_prefetch_level: Zen 4).
-  /// Paired against 8 on Zen 4 (BHSD float, Skv = 32768, one thread, clang++, prefetches into L2): 16 rows took 0.850
-  /// of the time from DRAM (16 of 16 rounds), 24 rows 0.873, 32 rows 0.899; 32 against 16 1.015 (8 of 20), and from L3
-  /// 16 against 8 0.985 (23 of 40, within the noise). A grouped task's P·V spread keeps 8: 16 took its token-major
-  /// decode from DRAM 1.011 of the time (5 of 20) (bench/README.md, "2026-12-05, twenty-seventh session").
+  /// Paired against 8 on Zen 4 (BHSD float, Skv = 32768, one thread, clang++, prefetches into L2): 16 rows took 0.850,
+  /// 0.900 and 0.942 of the time from DRAM (16, 15 and 16 of 16 rounds), 24 rows 0.873, 32 rows 0.899; 32 against 16
+  /// 1.015 (8 of 20), and from L3 16 against 8 0.985 (23 of 40, within the noise). A grouped task's P·V spread keeps 8:
+  /// 16 took its token-major decode from DRAM 1.011 of the time (5 of 20), and a head-major task of more than 4 rows
+  /// (calls over sub-blocks of kDecodeSub keys, whose last 16 keys' steps would prefetch their own rows again) keeps 8:
+  /// 16 took its decode from DRAM at Hq = 64 1.035 of the time (2 of 16) (bench/README.md, "2026-12-05, twenty-seventh
+  /// session"; decode_kernels.hpp, spread_keys).
   static constexpr Index kDecodeSpreadKeysL2 = 16;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
@@ -79,8 +82,10 @@ struct FusedTiles {
   static constexpr Index kDecodeMinChunks = 4;
   /// Whether the decoding task is compiled a second time with every prefetch into L2 (run_task, isa.hpp's
   /// decode_prefetch_level): the vector kernels only. On a CPU that picks L2 (Zen 4, with AVX-512) the scalar kernel
-  /// runs only under the QKV_ISA=scalar pin, a testing setting, and prefetches into L1 there too, so that a
-  /// dispatching build compiles one decoding copy fewer.
+  /// runs only under the QKV_ISA=scalar pin or in a build without dispatch (QKV_DISPATCH=0) whose flags lack AVX2, and
+  /// prefetches into L1 there too, so that a dispatching build compiles one decoding copy fewer. The AVX2 kernel keeps
+  /// both: an -march=x86-64-v3 binary runs it on Zen 4, where L2 took 0.47–0.62 of its decode time from DRAM
+  /// (bench/README.md, "2026-12-05, twenty-sixth session").
   static constexpr bool kDecodePrefetchL2 = kLanes > 1;
   /// Floats per key of a packed chunk `width` ≤ kChunk columns wide: kChunk for a full chunk, the last chunk of Dv
   /// (or D) rounded up to whole vectors only, so that a narrow tail (Dv = 32, 80 or 96 on AVX-512) costs neither
