@@ -1041,11 +1041,11 @@ TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
 }
 
 // spread_rows (decode_kernels.hpp): the first of a step's rows ahead, kDecodeSpreadKeys (8) or, for a head-major step
-// prefetching into L2, kDecodeSpreadKeysL2 (16) past its key j in reading order, is one of the call's rows or, from the
-// call's end on, one of the `next` rows the task reads after them (a grouped task's next kv head or sub-block), so that
-// all `count` rows from it lie inside one of the two; never a row outside both. Both lie in one buffer here (the call's
-// rows from row 0, at most 20 of them; the next rows from row 40; all `ld` apart), so that the check compares row
-// indices in it. The named cases are worked out by hand; the sweep checks the bounds.
+// prefetching into L2 over a block, kDecodeSpreadKeysL2 (16; spread_keys) past its key j in reading order, is one of
+// the call's rows or, from the call's end on, one of the `next` rows the task reads after them (a grouped task's next
+// kv head or sub-block), so that all `count` rows from it lie inside one of the two; never a row outside both. Both lie
+// in one buffer here (the call's rows from row 0, at most 20 of them; the next rows from row 40; all `ld` apart), so
+// that the check compares row indices in it. The named cases are worked out by hand; the sweep checks the bounds.
 TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   namespace pass = qkv_test::emulated_pass;
   using Tag = qkv_test::Emulated16Tag;
@@ -1054,16 +1054,22 @@ TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   std::vector<float> buffer(static_cast<std::size_t>(64 * ld));
   const float* own = buffer.data();
   const float* other = own + next_row0 * ld;
-  // kAhead: 8 (kDecodeSpreadKeys, the default) or 16 (kDecodeSpreadKeysL2, a head-major step prefetching into L2).
-  const auto row_ahead = [&](auto ahead, Index count, Index j, Index keys, Index next_keys) {
+  // ahead: 8 (kDecodeSpreadKeys) or 16 (kDecodeSpreadKeysL2, a head-major step prefetching into L2).
+  const auto row_ahead = [&](Index ahead, Index count, Index j, Index keys, Index next_keys) {
     const pass::NextRows<float> next{next_keys > 0 ? other : nullptr, next_keys};
-    return (pass::spread_rows<Tag, decltype(ahead)::value>(own, ld, j, keys, count, next) - own) / ld;
+    return (pass::spread_rows(own, ld, j, keys, count, next, ahead) - own) / ld;
   };
   const auto row = [&](Index count, Index j, Index keys, Index next_keys) {
-    return row_ahead(std::integral_constant<Index, 8>(), count, j, keys, next_keys);
+    return row_ahead(8, count, j, keys, next_keys);
   };
   static_assert(pass::FusedTiles<Tag>::kDecodeSpreadKeysL2 == 16, "the named 16-ahead cases assume 16 keys ahead");
-  const std::integral_constant<Index, pass::FusedTiles<Tag>::kDecodeSpreadKeysL2> l2;
+  const Index l2 = 16;
+  // spread_keys: 16 only for a head-major call (unpaced) prefetching into L2 over more than kDecodeSub (64) keys.
+  EXPECT_EQ((pass::spread_keys<Tag, false, 2>(1024)), 16);
+  EXPECT_EQ((pass::spread_keys<Tag, false, 2>(65)), 16);
+  EXPECT_EQ((pass::spread_keys<Tag, false, 2>(64)), 8);    // a sub-block of a task of more than 4 rows
+  EXPECT_EQ((pass::spread_keys<Tag, false, 3>(1024)), 8);  // into L1
+  EXPECT_EQ((pass::spread_keys<Tag, true, 2>(1024)), 8);   // a grouped task's paced steps
   // (count, j, keys, next keys) → buffer row.
   EXPECT_EQ(row(2, 0, 16, 16), 8);               // inside the call
   EXPECT_EQ(row(2, 6, 16, 16), 14);              // the call's last two rows
@@ -1082,7 +1088,7 @@ TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   EXPECT_EQ(row_ahead(l2, 2, 4, 20, 16), next_row0);       // 20: the next rows' first
   EXPECT_EQ(row_ahead(l2, 2, 4, 20, 0), 18);               // no next rows: the call's last two
   EXPECT_EQ(row_ahead(l2, 4, 12, 20, 16), next_row0 + 8);  // 28
-  const auto sweep = [&](auto ahead) {
+  const auto sweep = [&](Index ahead) {
     for (Index count : {1, 2, 4}) {
       for (Index keys = count; keys <= 20; ++keys) {
         for (Index next_keys : {0, 1, 3, 16}) {
@@ -1090,14 +1096,14 @@ TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
             const Index r = row_ahead(ahead, count, j, keys, next_keys);
             const bool in_own = r >= 0 && r + count <= keys;
             const bool in_next = next_keys >= count && r >= next_row0 && r + count <= next_row0 + next_keys;
-            EXPECT_TRUE(in_own || in_next) << decltype(ahead)::value << " ahead, count " << count << ", keys " << keys
-                                           << ", next " << next_keys << ", j " << j << ": row " << r;
+            EXPECT_TRUE(in_own || in_next) << ahead << " ahead, count " << count << ", keys " << keys << ", next "
+                                           << next_keys << ", j " << j << ": row " << r;
           }
         }
       }
     }
   };
-  sweep(std::integral_constant<Index, 8>());
+  sweep(8);
   sweep(l2);
 }
 

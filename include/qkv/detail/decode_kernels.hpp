@@ -2,7 +2,7 @@
 //
 // Decoding (few query rows) reads the whole cache once per token, so it streams K and V where they lie instead of
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
-// values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys, or kSpreadKeys) inside its own key
+// values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys, or spread_keys) inside its own key
 // range or the rows read next; a task over token-major K and V also hands them a PrefetchCursor, whose whole rows ahead
 // they issue a share per step. Every prefetch goes to the cache level the kernels' kLocality names (simd::prefetch:
 // 3 into L1, 2 into L2), which run_decode_task takes from decode_prefetch_level() (isa.hpp). Per key and kv head
@@ -163,7 +163,7 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
 /// start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time (from L3 0.95–0.96), and DRAM decides,
 /// so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or AVX2), the lines spread over the first
 /// half of the columns took 1.03–1.10 of the time (f16 with both compilers, AVX2 with clang++), so those keep the burst
-/// too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are kSpreadKeys ahead (FusedTiles'
+/// too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are spread_keys ahead (FusedTiles'
 /// kDecodeSpreadKeys, or kDecodeSpreadKeysL2 into L2), not kDecodePrefetchKeys.
 #if defined(__clang__)
 inline constexpr bool kSpreadAheadCompiler = true;
@@ -197,25 +197,23 @@ struct NextRows {
   Index keys = 0;
 };
 
-/// Keys ahead of a step's spread prefetches (kSpreadAhead, kSpreadAheadPaced): FusedTiles' kDecodeSpreadKeys, or
-/// kDecodeSpreadKeysL2 for a head-major step (no cursor: !kPaced) whose prefetches go into L2 (kLocality = 2) in a call
-/// over more than kDecodeSub keys (a whole block; a call over a sub-block of kDecodeSub keys, where the task has more
-/// than 4 rows, keeps kDecodeSpreadKeys: see kDecodeSpreadKeysL2). spread_keys picks by the call's keys.
-template <class Tag, bool kPaced, int kLocality>
-inline constexpr Index kSpreadKeys =
-    !kPaced && kLocality == 2 ? FusedTiles<Tag>::kDecodeSpreadKeysL2 : FusedTiles<Tag>::kDecodeSpreadKeys;
+/// Keys ahead of the spread prefetches (kSpreadAhead, kSpreadAheadPaced) of a call over `keys` keys: FusedTiles'
+/// kDecodeSpreadKeys, or kDecodeSpreadKeysL2 for a head-major step (no cursor: !kPaced) whose prefetches go into L2
+/// (kLocality = 2) in a call over more than kDecodeSub keys (a whole block; a call over a sub-block of kDecodeSub keys,
+/// where the task has more than 4 rows, keeps kDecodeSpreadKeys: see kDecodeSpreadKeysL2). Loop-invariant in a call.
 template <class Tag, bool kPaced, int kLocality>
 QKV_ALWAYS_INLINE inline constexpr Index spread_keys(Index keys) noexcept {
-  return keys > FusedTiles<Tag>::kDecodeSub ? kSpreadKeys<Tag, kPaced, kLocality> : FusedTiles<Tag>::kDecodeSpreadKeys;
+  using Tiles = FusedTiles<Tag>;
+  return !kPaced && kLocality == 2 && keys > Tiles::kDecodeSub ? Tiles::kDecodeSpreadKeysL2 : Tiles::kDecodeSpreadKeys;
 }
 
-/// The first of `count` rows (`ld` apart) kAhead keys past key j in reading order: inside the call's `keys` rows from
-/// `first`, or, from the call's end on, inside `next` if it holds `count` rows, else the call's last `count` rows
-/// again. Complexity: O(1); throws nothing.
-template <class Tag, Index kAhead = FusedTiles<Tag>::kDecodeSpreadKeys, class S>
+/// The first of `count` rows (`ld` apart) `ahead_keys` keys past key j in reading order (spread_keys): inside the
+/// call's `keys` rows from `first`, or, from the call's end on, inside `next` if it holds `count` rows, else the call's
+/// last `count` rows again. Complexity: O(1); throws nothing.
+template <class S>
 QKV_ALWAYS_INLINE inline const S* spread_rows(const S* first, Index ld, Index j, Index keys, Index count,
-                                              const NextRows<S>& next) noexcept {
-  const Index ahead = j + kAhead;
+                                              const NextRows<S>& next, Index ahead_keys) noexcept {
+  const Index ahead = j + ahead_keys;
   if (ahead >= keys && next.keys >= count) {
     return next.rows + std::min(ahead - keys, next.keys - count) * ld;
   }
@@ -332,7 +330,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// across it, and clang++ 14 spilled 38–45 vectors in the 4-row AVX-512 Q·Kᵀ (from L3 1.13–1.24 × the time). At
 /// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, each step
 /// prefetches the rows kDecodePrefetchKeys ahead in one burst before its loads, or, where kSpreadAhead holds, the rows
-/// kSpreadKeys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
+/// spread_keys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
 /// branch, so no spills). Every prefetch goes to the level kLocality names (simd::prefetch: 3 L1, 2 L2).
 template <class Tag, int R, int kLocality = 3, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
@@ -414,10 +412,8 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
       }
     }
     constexpr bool kSpreadAny = kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpread;
-    const S* ahead_rows = !kSpreadAny ? nullptr
-                          : spread_keys<Tag, kPaced, kLocality>(keys) == kSpreadKeys<Tag, kPaced, kLocality>
-                              ? spread_rows<Tag, kSpreadKeys<Tag, kPaced, kLocality>>(v, ldv, j, keys, NV, next)
-                              : spread_rows<Tag>(v, ldv, j, keys, NV, next);
+    const S* ahead_rows =
+        kSpreadAny ? spread_rows(v, ldv, j, keys, NV, next, spread_keys<Tag, kPaced, kLocality>(keys)) : nullptr;
     pv_step<Tag, R, NV, kPaced, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.
@@ -454,7 +450,7 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// kSpreadAheadPaced holds each step also prefetches the rows kDecodeSpreadKeys ahead in reading order, inside the
 /// call's keys or past them in `next` (spread_rows); at Dv = 64 and 128 the loop over the columns is unrolled
 /// (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches as qk_in_place does (a burst
-/// kDecodePrefetchKeys ahead, or kSpreadKeys ahead one line per column where kSpreadAhead holds, then also into
+/// kDecodePrefetchKeys ahead, or spread_keys ahead one line per column where kSpreadAhead holds, then also into
 /// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds. Every prefetch goes
 /// to the level kLocality names, as in qk_in_place.
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>), int kLocality = 3>
