@@ -414,17 +414,19 @@ TEST(Fused, DecodeShapesWithEveryOption) {
 
 TEST(Fused, DecodeAtTheUnrolledHeadDims) {
   // The decoding micro-kernels are compiled for D (and Dv) = 64 and 128 with their column loops unrolled
-  // (decode_kernels.hpp, with_head_dim), and keep the runtime loop for any other head_dim: both, mixed in one call
-  // (D unrolled, Dv not, and the reverse), with 1 to 4 query rows per kv head (qk_in_place's R), against the float64
-  // reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and one key); 2053 puts 5 keys in a second
-  // split-K chunk; each runs with and without key_lengths (which end the keys mid-step). Token-major K and V with one
-  // kv head per task take the same kernels: Hkv = 1, and Hkv = 7 at 16 query rows per kv head, where the plan's tasks
-  // of 6 kv heads leave a last task of one, its rows 7·D apart. A grouped task (token-major, several kv heads, the
-  // kernels paced by a PrefetchCursor) takes every pair of head_dims with 1, 3 and 4 rows per kv head.
+  // (decode_kernels.hpp, with_head_dim), and keep the runtime loop for any other head_dim: both, mixed in one call (D
+  // unrolled, Dv not, and the reverse), with 1 to 4, 8 and 12 query rows per kv head (qk_in_place's and pv_in_place's
+  // R; on AVX-512 and the emulated 16-lane tag, 8 rows are one call and 12 two, of 8 and 4 rows: their kQkDecodeRows
+  // and kPvDecodeRows), against the float64 reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and
+  // one key); 2053 puts 5 keys in a second split-K chunk; each runs with and without key_lengths (which end the keys
+  // mid-step). Token-major K and V with one kv head per task take the same kernels: Hkv = 1, and Hkv = 7 at 16 query
+  // rows per kv head, where the plan's tasks of 6 kv heads leave a last task of one, its rows 7·D apart. A grouped task
+  // (token-major, several kv heads, the kernels paced by a PrefetchCursor) takes every pair of head_dims with 1, 3 and
+  // 4 rows per kv head.
   const std::pair<Index, Index> dims[] = {{64, 64}, {128, 128}, {128, 64}, {64, 128}, {128, 80}, {80, 128}, {72, 64}};
   int trial = 0;
   for (const auto& [D, Dv] : dims) {
-    for (const Index group : {1, 2, 3, 4}) {
+    for (const Index group : {1, 2, 3, 4, 8, 12}) {
       for (const Index skv : {Index(1027), Index(2053)}) {
         Case c;
         c.B = 2;
@@ -1041,11 +1043,11 @@ TEST(Fused, PrefetchCursorIssuesEachLineOfTheRowsOnceInOrder) {
 }
 
 // spread_rows (decode_kernels.hpp): the first of a step's rows ahead, kDecodeSpreadKeys (8) or, for a head-major step
-// prefetching into L2 over a block, kDecodeSpreadKeysL2 (16; spread_keys) past its key j in reading order, is one of
-// the call's rows or, from the call's end on, one of the `next` rows the task reads after them (a grouped task's next
-// kv head or sub-block), so that all `count` rows from it lie inside one of the two; never a row outside both. Both lie
-// in one buffer here (the call's rows from row 0, at most 20 of them; the next rows from row 40; all `ld` apart), so
-// that the check compares row indices in it. The named cases are worked out by hand; the sweep checks the bounds.
+// prefetching into L2, kDecodeSpreadKeysL2 (16; kSpreadKeys) past its key j in reading order, is one of the call's rows
+// or, from the call's end on, one of the `next` rows the task reads after them (a grouped task's next kv head or
+// sub-block), so that all `count` rows from it lie inside one of the two; never a row outside both. Both lie in one
+// buffer here (the call's rows from row 0, at most 20 of them; the next rows from row 40; all `ld` apart), so that the
+// check compares row indices in it. The named cases are worked out by hand; the sweep checks the bounds.
 TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   namespace pass = qkv_test::emulated_pass;
   using Tag = qkv_test::Emulated16Tag;
@@ -1064,12 +1066,10 @@ TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   };
   static_assert(pass::FusedTiles<Tag>::kDecodeSpreadKeysL2 == 16, "the named 16-ahead cases assume 16 keys ahead");
   const Index l2 = 16;
-  // spread_keys: 16 only for a head-major call (unpaced) prefetching into L2 over more than kDecodeSub (64) keys.
-  EXPECT_EQ((pass::spread_keys<Tag, false, 2>(1024)), 16);
-  EXPECT_EQ((pass::spread_keys<Tag, false, 2>(65)), 16);
-  EXPECT_EQ((pass::spread_keys<Tag, false, 2>(64)), 8);    // a sub-block of a task of more than 4 rows
-  EXPECT_EQ((pass::spread_keys<Tag, false, 3>(1024)), 8);  // into L1
-  EXPECT_EQ((pass::spread_keys<Tag, true, 2>(1024)), 8);   // a grouped task's paced steps
+  // kSpreadKeys: 16 only for a head-major step (unpaced) prefetching into L2.
+  EXPECT_EQ((pass::kSpreadKeys<Tag, false, 2>), 16);
+  EXPECT_EQ((pass::kSpreadKeys<Tag, false, 3>), 8);  // into L1
+  EXPECT_EQ((pass::kSpreadKeys<Tag, true, 2>), 8);   // a grouped task's paced steps
   // (count, j, keys, next keys) → buffer row.
   EXPECT_EQ(row(2, 0, 16, 16), 8);               // inside the call
   EXPECT_EQ(row(2, 6, 16, 16), 14);              // the call's last two rows

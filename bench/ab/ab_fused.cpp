@@ -283,9 +283,14 @@ constexpr Shape kShapes[] = {
     {"decode5000", 1, 32, 8, 1, 5000, 128, 128, Layout::bhsd},    // decoding, split-K with a short last chunk
     {"short3x5000", 1, 16, 2, 3, 5000, 128, 128, Layout::bshd},   // prefill path (Sq·G = 24 rows), split-K
     {"short3x5000_mha", 1, 4, 4, 3, 5000, 64, 64, Layout::bhsd},  // decoding path (Sq·G = 3), split-K
-    // Decoding with M > 4 rows: M = 16 (4 row groups of 4; G = 8, Sq = 2), split-K with a last chunk of 953 keys
-    // (14 sub-blocks and 57 keys: an odd last key); key_lengths gives it an unsplit sequence of 2001 keys.
+    // Decoding with M > 4 rows: M = 16 (G = 8, Sq = 2), split-K with a last chunk of 953 keys (an odd last key);
+    // key_lengths gives it an unsplit sequence of 2001 keys. Token-major: one task of both kv heads, row groups of 4;
+    // head-major: one task per kv head, on AVX-512 two calls of 8 rows (decode_kernels.hpp, kQkDecodeRows).
     {"decode_m16", 2, 16, 2, 2, 3001, 128, 128, Layout::bshd},
+    {"decode_m16_bhsd", 2, 16, 2, 2, 3001, 128, 128, Layout::bhsd},
+    // M = 12 (G = 12): 8 rows and 4 on AVX-512, split-K in 3 chunks (the last 406 keys: 2 past the last multiple of 4),
+    // D and Dv with tails.
+    {"decode_m12_odd", 1, 24, 2, 1, 4502, 81, 75, Layout::bhsd},
     // M = 6 (row groups 4 + 2; G = 6), split-K in 3 chunks (the last 405 keys), D and Dv with tails on every ISA
     // (81 = 5·16 + 1, 75 = 9·8 + 3 = 4·16 + 11; 80 and 72 would leave none on AVX2).
     {"decode_m6_odd", 1, 12, 2, 1, 4501, 81, 75, Layout::bhsd},

@@ -2,7 +2,7 @@
 //
 // Decoding (few query rows) reads the whole cache once per token, so it streams K and V where they lie instead of
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
-// values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys, or spread_keys) inside its own key
+// values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys, or kSpreadKeys) inside its own key
 // range or the rows read next; a task over token-major K and V also hands them a PrefetchCursor, whose whole rows ahead
 // they issue a share per step. Every prefetch goes to the cache level the kernels' kLocality names (simd::prefetch:
 // 3 into L1, 2 into L2), which run_decode_task takes from decode_prefetch_level() (isa.hpp). Per key and kv head
@@ -163,7 +163,7 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
 /// start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time (from L3 0.95–0.96), and DRAM decides,
 /// so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or AVX2), the lines spread over the first
 /// half of the columns took 1.03–1.10 of the time (f16 with both compilers, AVX2 with clang++), so those keep the burst
-/// too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are spread_keys ahead (FusedTiles'
+/// too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are kSpreadKeys ahead (FusedTiles'
 /// kDecodeSpreadKeys, or kDecodeSpreadKeysL2 into L2), not kDecodePrefetchKeys.
 #if defined(__clang__)
 inline constexpr bool kSpreadAheadCompiler = true;
@@ -197,17 +197,13 @@ struct NextRows {
   Index keys = 0;
 };
 
-/// Keys ahead of the spread prefetches (kSpreadAhead, kSpreadAheadPaced) of a call over `keys` keys: FusedTiles'
-/// kDecodeSpreadKeys, or kDecodeSpreadKeysL2 for a head-major step (no cursor: !kPaced) whose prefetches go into L2
-/// (kLocality = 2) in a call over more than kDecodeSub keys (a whole block; a call over a sub-block of kDecodeSub keys,
-/// where the task has more than 4 rows, keeps kDecodeSpreadKeys: see kDecodeSpreadKeysL2). Loop-invariant in a call.
+/// Keys ahead of the spread prefetches (kSpreadAhead, kSpreadAheadPaced): FusedTiles' kDecodeSpreadKeys, or
+/// kDecodeSpreadKeysL2 for a head-major step (no cursor: !kPaced) whose prefetches go into L2 (kLocality = 2).
 template <class Tag, bool kPaced, int kLocality>
-QKV_ALWAYS_INLINE inline constexpr Index spread_keys(Index keys) noexcept {
-  using Tiles = FusedTiles<Tag>;
-  return !kPaced && kLocality == 2 && keys > Tiles::kDecodeSub ? Tiles::kDecodeSpreadKeysL2 : Tiles::kDecodeSpreadKeys;
-}
+inline constexpr Index kSpreadKeys =
+    !kPaced && kLocality == 2 ? FusedTiles<Tag>::kDecodeSpreadKeysL2 : FusedTiles<Tag>::kDecodeSpreadKeys;
 
-/// The first of `count` rows (`ld` apart) `ahead_keys` keys past key j in reading order (spread_keys): inside the
+/// The first of `count` rows (`ld` apart) `ahead_keys` keys past key j in reading order (kSpreadKeys): inside the
 /// call's `keys` rows from `first`, or, from the call's end on, inside `next` if it holds `count` rows, else the call's
 /// last `count` rows again. Complexity: O(1); throws nothing.
 template <class S>
@@ -232,6 +228,23 @@ inline constexpr Index kPvKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
 template <class Tag, class S>
 inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : kPvKeysPerStep<Tag>;
 
+/// Query rows per call of a head-major decoding task (one kv head; fused_attention.hpp, run_decode_task) while that
+/// many rows are left, the rest in calls of at most 4: 8 on a 32-register tag (qk_in_place with 8 × 2 accumulators,
+/// NK = 2; pv_in_place with 8 × 3 weights, NV = kPvKeysPerStep8), so that at G = 8 (Hq = 64, Hkv = 8) each row of K
+/// and V is read once, its arithmetic beside its stream, instead of once by each group of 4 rows, the later groups
+/// reading the block from L2 while nothing streams from memory; 4 elsewhere. Measured on Zen 4 (Sq = 1, Hq = 64,
+/// Hkv = 8, D = 128, BHSD, Skv = 32768 from DRAM, one thread, paired against 4-row calls over whole blocks): float
+/// 0.826–0.899 of the time with clang++ (g++ 0.940); P·V alone 0.909 (g++ 0.945), Q·Kᵀ alone 0.919–0.973; 16-bit V
+/// (P·V only) f16 0.956–0.990 (g++ 1.019), bf16 0.924–0.936 (g++ 0.996); P·V with NV = 2 0.962, 4 0.925. Q·Kᵀ takes 8
+/// rows for float K only: with 16-bit K it took f16 decode 1.04–1.06 of the time, and bf16 0.975 with 8-row P·V
+/// (bench/README.md, "2026-12-05, twenty-eighth session").
+template <class Tag, class S>
+inline constexpr int kQkDecodeRows = Tag::kLanes >= 16 && std::is_same_v<S, float> ? 8 : 4;
+template <class Tag>
+inline constexpr int kPvDecodeRows = Tag::kLanes >= 16 ? 8 : 4;
+/// pv_in_place's NV for 8 rows (kPvDecodeRows): 24 weights in registers, 8 acc_o loads and stores per 24 FMAs.
+inline constexpr int kPvKeysPerStep8 = 3;
+
 /// qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor (kPaced): a
 /// head-major task has none, and its loop then keeps its pointers in registers. kDim: D where with_head_dim compiles
 /// it in, else 0 (D read at run time).
@@ -243,20 +256,23 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
   const Index D = kDim > 0 ? kDim : d_runtime;
   constexpr int L = Tag::kLanes;
   constexpr Index kDecodePrefetchKeys = FusedTiles<Tag>::kDecodePrefetchKeys;
-  constexpr int NK = static_cast<int>(kQkKeysPerStep<Tag>);
-  static_assert(R >= 1 && R <= 4, "qkv: qk_in_place takes at most 4 rows");
+  constexpr int NK = R > 4 ? 2 : static_cast<int>(kQkKeysPerStep<Tag>);
+  static_assert(R >= 1 && (R <= 4 || (R == 8 && L >= 16 && !kPaced)),
+                "qkv: qk_in_place takes at most 4 rows, or 8 without a cursor on a 32-register tag");
   const Index d_full = D / L * L;
   const int tail = static_cast<int>(D - d_full);
+  // With 8 rows (NK = 2), the steps end where 4-row steps would, and the keys after them go one at a time as there:
+  // the same reductions for every key, so the same bits as 4-row calls.
+  const Index step_keys = R > 4 ? keys / kQkKeysPerStep<Tag> * kQkKeysPerStep<Tag> : keys;
   Index j = 0;
-  for (; j + NK <= keys; j += NK) {
+  for (; j + NK <= step_keys; j += NK) {
     Vec acc[R * NK];
     QKV_UNROLL for (int a = 0; a < R * NK; ++a) acc[a] = zero(Tag());
     const S* key = k + j * ldk;
     typename PrefetchCursor<S>::Run run;
     if constexpr (kPaced) run = ahead->next_run();
     constexpr bool kSpread = kSpreadAhead<Tag, S, kPaced, kDim>;
-    const S* ahead_rows =
-        kSpread ? k + std::min(j + spread_keys<Tag, kPaced, kLocality>(keys), keys - NK) * ldk : nullptr;
+    const S* ahead_rows = kSpread ? k + std::min(j + kSpreadKeys<Tag, kPaced, kLocality>, keys - NK) * ldk : nullptr;
     if (!kSpread && j + kDecodePrefetchKeys + NK <= keys) {
       QKV_UNROLL for (int c = 0; c < NK; ++c) prefetch_row<kLocality>(key + (kDecodePrefetchKeys + c) * ldk, D);
     }
@@ -318,28 +334,34 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
   }
 }
 
-/// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows and `keys` keys read in place (rows of D floats, `ldk` apart): the
-/// decoding micro-kernel, which streams K once instead of packing it. NK keys per step (2 on AVX2, whose 16
-/// registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512): each K vector is loaded once and meets the R
-/// rows of q, accumulating vertically over d; the R × NK sums are then reduced together by a transposing reduction
-/// (reduce_sum16 for 4 × 4 on AVX-512, else reduce_sum4), not one horizontal reduction per (row, key). D tails by
-/// masked loads, so nothing past a row is read; a remainder of keys one at a time. K is stored as S (float, Eigen::half
+/// acc_s[r][j] = q[r]·k[j] for R ≤ 4 rows (or R = 8 without `ahead` on a 32-register tag: kQkDecodeRows) and `keys`
+/// keys read in place (rows of D floats, `ldk` apart): the decoding micro-kernel, which streams K once instead of
+/// packing it. NK keys per step (2 on AVX2, whose 16 registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512,
+/// 2 there for 8 rows): each K vector is loaded once and meets the R rows of q, accumulating vertically over d; the
+/// R × NK sums are then reduced together by a transposing reduction (reduce_sum16 for 4 × 4 and 8 × 2 on AVX-512,
+/// else reduce_sum4), not one horizontal reduction per (row, key); every sum is paired the same way whatever R and NK
+/// are, so the bits do not depend on them. D tails by
+/// masked loads, so nothing past a row is read; the keys after the last whole step (for 8 rows, after the last multiple
+/// of 4 keys, as with 4 rows) one at a time. K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched once the step's sums are stored:
 /// a loop or branch of prefetches inside the unrolled columns, or before the reduction, left the accumulators live
 /// across it, and clang++ 14 spilled 38–45 vectors in the 4-row AVX-512 Q·Kᵀ (from L3 1.13–1.24 × the time). At
 /// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, each step
 /// prefetches the rows kDecodePrefetchKeys ahead in one burst before its loads, or, where kSpreadAhead holds, the rows
-/// spread_keys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
+/// kSpreadKeys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
 /// branch, so no spills). Every prefetch goes to the level kLocality names (simd::prefetch: 3 L1, 2 L2).
 template <class Tag, int R, int kLocality = 3, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
-  if (ahead != nullptr) {
-    with_head_dim<Tag>(D, [&](auto dim) {
-      qk_steps<Tag, R, true, decltype(dim)::value, kLocality>(q, ldq, k, ldk, keys, D, s, lds, ahead);
-    });
-  } else {
+  if constexpr (R <= 4) {
+    if (ahead != nullptr) {
+      return with_head_dim<Tag>(D, [&](auto dim) {
+        qk_steps<Tag, R, true, decltype(dim)::value, kLocality>(q, ldq, k, ldk, keys, D, s, lds, ahead);
+      });
+    }
+  }
+  {
     with_head_dim<Tag>(D, [&](auto dim) {
       qk_steps<Tag, R, false, decltype(dim)::value, kLocality>(q, ldq, k, ldk, keys, D, s, lds, ahead);
     });
@@ -413,7 +435,7 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
     }
     constexpr bool kSpreadAny = kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpread;
     const S* ahead_rows =
-        kSpreadAny ? spread_rows(v, ldv, j, keys, NV, next, spread_keys<Tag, kPaced, kLocality>(keys)) : nullptr;
+        kSpreadAny ? spread_rows(v, ldv, j, keys, NV, next, kSpreadKeys<Tag, kPaced, kLocality>) : nullptr;
     pv_step<Tag, R, NV, kPaced, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.
@@ -436,10 +458,11 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
   });
 }
 
-/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows, V read in place, front to back: the decoding
-/// P·V. V must stream in order at the prefetchers' pace (visiting a group of keys column slice by column slice, so
-/// that the first slice touches one line per key, measured slower from DRAM), so keys stay outermost and go NV at a
-/// time (kPvKeysPerStep: 2 on AVX2, 4 on AVX-512, whose 32 registers hold the 4·R weights): the NV·R weights sit in
+/// acc_o[r][0 .. Dv) += Σ_j p[r][j] · v[j][0 .. Dv) for R ≤ 4 rows (or R = 8 without `ahead` on a 32-register tag:
+/// kPvDecodeRows), V read in place, front to back: the decoding P·V. V must stream in order at the prefetchers' pace
+/// (visiting a group of keys column slice by column slice, so that the first slice touches one line per key, measured
+/// slower from DRAM), so keys stay outermost and go NV at a time (kPvKeysPerStep: 2 on AVX2, 4 on AVX-512, whose 32
+/// registers hold the 4·R weights; kPvKeysPerStep8 = 3 for 8 rows): the NV·R weights sit in
 /// registers, and each acc_o vector (L1) is loaded and stored once per NV keys instead of once per key. Per V line:
 /// NV V loads, R acc_o loads and R stores, NV·R FMAs per vector (at NV = 2 on AVX-512 the R stores, one 512-bit
 /// store a cycle, matched the FMAs' cycles, and P·V took 1.5 times Q·Kᵀ's time in a decode from L3). Each acc_o
@@ -450,16 +473,18 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// kSpreadAheadPaced holds each step also prefetches the rows kDecodeSpreadKeys ahead in reading order, inside the
 /// call's keys or past them in `next` (spread_rows); at Dv = 64 and 128 the loop over the columns is unrolled
 /// (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches as qk_in_place does (a burst
-/// kDecodePrefetchKeys ahead, or spread_keys ahead one line per column where kSpreadAhead holds, then also into
+/// kDecodePrefetchKeys ahead, or kSpreadKeys ahead one line per column where kSpreadAhead holds, then also into
 /// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds. Every prefetch goes
 /// to the level kLocality names, as in qk_in_place.
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>), int kLocality = 3>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr, const NextRows<S>& next = NextRows<S>()) noexcept {
-  static_assert(R >= 1 && R <= 4, "qkv: pv_in_place takes at most 4 rows");
-  if (ahead != nullptr) {
-    pv_paced<Tag, R, S, NV, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
-  } else {
+  static_assert(R >= 1 && (R <= 4 || (R == 8 && Tag::kLanes >= 16)),
+                "qkv: pv_in_place takes at most 4 rows, or 8 without a cursor on a 32-register tag");
+  if constexpr (R <= 4) {
+    if (ahead != nullptr) return pv_paced<Tag, R, S, NV, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
+  }
+  {
     with_head_dim<Tag>(Dv, [&](auto dim) {
       pv_keys<Tag, R, S, NV, false, decltype(dim)::value, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
     });

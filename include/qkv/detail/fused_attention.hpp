@@ -303,8 +303,10 @@ class FusedAttention {
 
   /// The decoding task (Sq·G ≤ kDecodeRows; K and V read in place), in base e. Blocks of kDecodeKeys keys: one
   /// pass over the block's K, its scores and softmax step, then one pass over its V, so that each pass streams a
-  /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, the
-  /// row groups take turns over sub-blocks of kDecodeSub keys (in L1), not whole blocks. A task of several kv heads
+  /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, each
+  /// group of 4 rows passes over the whole block in turn, the later ones reading it from L2 (Zen 4, Hq = 64, Hkv = 8:
+  /// 0.85–0.87 of the time of sub-blocks of 64 keys from DRAM; bench/README.md, "2026-12-05, twenty-eighth
+  /// session"). A task of several kv heads
   /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
   /// that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
   /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
@@ -324,7 +326,7 @@ class FusedAttention {
     const Index block =
         grouped ? std::max<Index>(kPanel, Tiles::kDecodeKeys / t.n_kv / kPanel * kPanel) : Tiles::kDecodeKeys;
     const Index ldS = block, ldv = v_.stride(2), ldk = k_.stride(2);
-    const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : M <= 4 ? block : Tiles::kDecodeSub;
+    const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : block;
     float* q_block = s.q_block.data();
     float* acc_s = s.acc_s.data();
     float* acc_o = s.acc_o.data();
@@ -374,12 +376,19 @@ class FusedAttention {
         }
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
-          for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
-            dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
-              constexpr int R = std::min(4, decltype(rows_constant)::value);
+          const auto qk_rows = [&](auto rows_constant, Index r0) {
+            constexpr int R = decltype(rows_constant)::value;
+            if constexpr (R > 4) {  // head-major only
+              qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
+            } else {
               qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS,
                                              grouped ? &k_ahead : nullptr);
-            });
+            }
+          };
+          if (grouped) {
+            for_each_row_group<4>(hk * GR, (hk + 1) * GR, qk_rows);
+          } else {
+            for_each_row_group<kQkDecodeRows<Tag, S>>(hk * GR, (hk + 1) * GR, qk_rows);
           }
         }
         k_ahead.template flush<kLocality>();  // keys left over after the last whole step issue nothing
@@ -422,19 +431,25 @@ class FusedAttention {
                 after_head = {&k_(vb, t.h_kv, kv_row0 + next_block, 0), next_keys};
               }
             }
-            for (Index r0 = hk * GR; r0 < (hk + 1) * GR; r0 += 4) {
-              dispatch_rows(std::min<Index>(4, (hk + 1) * GR - r0), [&](auto rows_constant) {
-                constexpr int R = std::min(4, decltype(rows_constant)::value);
-                if (grouped) {
-                  // A row group before the head's last reads the same rows next.
-                  const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys} : after_head;
-                  pv_in_place<Tag, R, S, kPvGroupedStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
-                                                                    acc_o + r0 * Dv, Dv, Dv, &v_ahead, next);
-                } else {
-                  pv_in_place<Tag, R, S, static_cast<int>(kPvKeysPerStep<Tag>), kLocality>(
-                      acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv, nullptr);
-                }
-              });
+            const auto pv_rows = [&](auto rows_constant, Index r0) {
+              constexpr int R = decltype(rows_constant)::value;
+              if constexpr (R > 4) {  // head-major only
+                pv_in_place<Tag, R, S, kPvKeysPerStep8, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
+                                                                   acc_o + r0 * Dv, Dv, Dv);
+              } else if (grouped) {
+                // A row group before the head's last reads the same rows next.
+                const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys} : after_head;
+                pv_in_place<Tag, R, S, kPvGroupedStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
+                                                                  acc_o + r0 * Dv, Dv, Dv, &v_ahead, next);
+              } else {
+                pv_in_place<Tag, R, S, static_cast<int>(kPvKeysPerStep<Tag>), kLocality>(
+                    acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv, nullptr);
+              }
+            };
+            if (grouped) {
+              for_each_row_group<4>(hk * GR, (hk + 1) * GR, pv_rows);
+            } else {
+              for_each_row_group<kPvDecodeRows<Tag>>(hk * GR, (hk + 1) * GR, pv_rows);
             }
           }
           v_ahead.template flush<kLocality>();

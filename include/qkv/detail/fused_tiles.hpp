@@ -48,7 +48,6 @@ struct FusedTiles {
   static constexpr Index kSplitKeys = 2048;         ///< keys per split-K chunk (a single query tile)
   static constexpr Index kDecodeRows = 16;          ///< a sequence with Sq·G ≤ this reads K in place (no packing)
   static constexpr Index kDecodeKeys = 1024;        ///< keys per decoding block: all of its K, then all of its V
-  static constexpr Index kDecodeSub = 64;           ///< keys per row-group pass when a decoding block has > 4 rows
   /// Keys ahead that the decoding kernels prefetch (whole rows; 16 rows of D = 128 floats are 8 KiB ahead of the
   /// loads). Without it, decode from DRAM took 1.4–1.9 times as long on Zen 5. Against 32 rows, 16 took g++'s
   /// head-major float decode from DRAM 0.88 of its time (8 rows 0.97, 24 0.95, 64 1.00) and clang++'s AVX2 build's
@@ -66,10 +65,8 @@ struct FusedTiles {
   /// Paired against 8 on Zen 4 (BHSD float, Skv = 32768, one thread, clang++, prefetches into L2): 16 rows took 0.850,
   /// 0.900 and 0.942 of the time from DRAM (16, 15 and 16 of 16 rounds), 24 rows 0.873, 32 rows 0.899; 32 against 16
   /// 1.015 (8 of 20), and from L3 16 against 8 0.985 (23 of 40, within the noise). A grouped task's P·V spread keeps 8:
-  /// 16 took its token-major decode from DRAM 1.011 of the time (5 of 20), and a head-major task of more than 4 rows
-  /// (calls over sub-blocks of kDecodeSub keys, whose last 16 keys' steps would prefetch their own rows again) keeps 8:
-  /// 16 took its decode from DRAM at Hq = 64 1.035 of the time (2 of 16) (bench/README.md, "2026-12-05, twenty-seventh
-  /// session"; decode_kernels.hpp, spread_keys).
+  /// 16 took its token-major decode from DRAM 1.011 of the time (5 of 20) (bench/README.md, "2026-12-05, twenty-seventh
+  /// session"; decode_kernels.hpp, kSpreadKeys).
   static constexpr Index kDecodeSpreadKeysL2 = 16;
   /// A decoding task over token-major K and V (several kv heads, fused_attention.hpp): keys per sub-block that its
   /// heads take in turn (16 rows of 8 heads × 128 floats are 64 KiB); each sub-block prefetches the next one's whole
@@ -110,6 +107,23 @@ inline void dispatch_rows(Index rows, F&& f, std::integer_sequence<int, R...>) {
 template <class F>
 inline void dispatch_rows(Index rows, F&& f) {
   dispatch_rows(rows, f, std::integer_sequence<int, 1, 2, 3, 4, 5, 6>());
+}
+
+/// Calls f(std::integral_constant<int, R>(), r0) for the row groups r0 … r0 + R − 1 of rows [begin, end), in order:
+/// groups of kRows while that many rows are left (where kRows > 4), then groups of at most 4 (the decoding task's
+/// calls, fused_attention.hpp: kRows is decode_kernels.hpp's kQkDecodeRows or kPvDecodeRows, or 4).
+template <int kRows, class F>
+inline void for_each_row_group(Index begin, Index end, F&& f) {
+  static_assert(kRows == 4 || kRows == 8, "qkv: the decoding micro-kernels take 4 or 8 rows");
+  Index r0 = begin;
+  if constexpr (kRows > 4) {
+    for (; end - r0 >= kRows; r0 += kRows) f(std::integral_constant<int, kRows>(), r0);
+  }
+  for (; r0 < end; r0 += 4) {
+    dispatch_rows(std::min<Index>(4, end - r0), [&](auto rows_constant) {
+      f(std::integral_constant<int, std::min(4, decltype(rows_constant)::value)>(), r0);
+    });
+  }
 }
 
 /// Calls f(std::integral_constant<int, V>()) for V = vectors, 1 ≤ vectors ≤ kMax ≤ 4: a micro-kernel's vector count
