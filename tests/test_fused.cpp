@@ -516,8 +516,8 @@ TEST(Fused, VectorTailsAndTileEdges) {
   // D and Dv below, at and past a vector (16 lanes; 8 on AVX2), a packed key panel and a value chunk (4 vectors on 16
   // lanes: 64; 2 on AVX2: 16), so that every count of partial vectors in pv_chunk_tail and the D tails of the decoding
   // kernels occur; key counts around a panel and a key tile (kBlockN). Each (D, Dv) meets each key count once, by
-  // turns in a prefill (Sq·G = 24: four strips of six rows), a decoding with six rows (row groups of 4 and 2, keys
-  // in sub-blocks) and one with three; causal, a window, key padding and BSHD by turns.
+  // turns in a prefill (Sq·G = 24: four strips of six rows), decodings with six rows (calls of 4 and 2 rows), three and
+  // twelve (calls of 8 and 4 rows on 16 lanes); causal, a window, key padding and BSHD by turns.
   const Index panel = Tiles16::kPanel, key_tile = Tiles16::kBlockN;
   const Index dims[][2] = {{1, 1},   {3, 15},  {16, 17}, {17, 31},   {31, 33},  {48, 49},
                            {57, 63}, {64, 64}, {65, 80}, {100, 127}, {128, 130}};
@@ -525,7 +525,7 @@ TEST(Fused, VectorTailsAndTileEdges) {
   struct Rows {
     Index Hq, Hkv, Sq;
   };
-  const Rows rows[] = {{4, 2, 12}, {6, 1, 1}, {2, 2, 3}};  // prefill, decoding with 6 rows, decoding with 3
+  const Rows rows[] = {{4, 2, 12}, {6, 1, 1}, {2, 2, 3}, {12, 1, 1}};  // prefill; decoding with 6, 3 and 12 rows
   const int stride = reduced_grid() ? 5 : 1;               // reduced runs take every fifth case
   int n = 0;
   for (std::size_t i = 0; i < std::size(dims); ++i) {
@@ -1105,6 +1105,52 @@ TEST(Fused, SpreadRowsNameOnlyRowsOfTheCallOrTheNext) {
   };
   sweep(8);
   sweep(l2);
+}
+
+// The decoding micro-kernels give a score and an output element the same bits whatever rows their call takes
+// (decode_kernels.hpp: a head-major task's calls of 8 rows on 16 lanes, kQkDecodeRows and kPvDecodeRows): on the
+// emulated 16-lane tag (the AVX-512 kernel's arithmetic), one call of 8 rows (qk_in_place with 2 keys per step, its
+// steps ending where 4-key steps end; pv_in_place with kPvKeysPerStep8 = 3) against two calls of 4 (4 keys per step),
+// byte for byte, at key counts around the steps and a 1024-key block, head_dims with tails (72, 81) and the unrolled
+// 64 and 128, rows of K and V `ld` apart, and every storage type of K and V.
+template <class S>
+void check_eight_rows_as_two_calls_of_four() {
+  namespace pass = qkv_test::emulated_pass;
+  using Tag = qkv_test::Emulated16Tag;
+  static_assert(pass::kQkDecodeRows<Tag, float> == 8 && pass::kPvDecodeRows<Tag> == 8, "16 lanes take 8 rows");
+  std::mt19937 rng(808);
+  std::normal_distribution<float> normal;
+  const Index key_counts[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1021, 1022, 1023, 1024, 1025, 1026, 1027};
+  for (const Index D : {Index(64), Index(72), Index(81), Index(128)}) {
+    for (const Index keys : key_counts) {
+      const Index ld = D + 5, n = std::max<Index>(keys, 1);
+      std::vector<float> q(static_cast<std::size_t>(8 * D)), p(static_cast<std::size_t>(8 * n)),
+          o_init(static_cast<std::size_t>(8 * D));
+      std::vector<S> k(static_cast<std::size_t>(n * ld)), v(k.size());
+      for (auto* x : {&q, &p, &o_init})
+        for (auto& e : *x) e = normal(rng);
+      for (auto* x : {&k, &v})
+        for (auto& e : *x) e = S(normal(rng));
+      std::vector<float> s8(p.size(), -1.0f), s4(s8), o8(o_init), o4(o_init);  // keys = 0: nothing written
+      pass::qk_in_place<Tag, 8>(q.data(), D, k.data(), ld, keys, D, s8.data(), n);
+      for (Index r0 : {0, 4})
+        pass::qk_in_place<Tag, 4>(q.data() + r0 * D, D, k.data(), ld, keys, D, s4.data() + r0 * n, n);
+      EXPECT_EQ(std::memcmp(s8.data(), s4.data(), s8.size() * sizeof(float)), 0)
+          << "Q·Kᵀ, D " << D << ", keys " << keys;
+      pass::pv_in_place<Tag, 8, S, pass::kPvKeysPerStep8>(p.data(), n, v.data(), ld, keys, o8.data(), D, D);
+      for (Index r0 : {0, 4}) {
+        pass::pv_in_place<Tag, 4, S>(p.data() + r0 * n, n, v.data(), ld, keys, o4.data() + r0 * D, D, D);
+      }
+      EXPECT_EQ(std::memcmp(o8.data(), o4.data(), o8.size() * sizeof(float)), 0) << "P·V, D " << D << ", keys " << keys;
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+TEST(Fused, DecodeKernelsGiveTheSameBitsForEightRowsAsForTwoCallsOfFour) {
+  check_eight_rows_as_two_calls_of_four<float>();
+  check_eight_rows_as_two_calls_of_four<Eigen::half>();
+  check_eight_rows_as_two_calls_of_four<Eigen::bfloat16>();
 }
 
 }  // namespace

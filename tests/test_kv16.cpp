@@ -592,7 +592,7 @@ TYPED_TEST(Kv16, VarlenMixesDecodingAndPrefillSequences) {
 }
 
 TYPED_TEST(Kv16, VectorTailsAndTileEdges) {
-  // D and Dv below, at and past a vector, a packed panel and a value chunk, in decoding (6 and 3 rows) and prefill
+  // D and Dv below, at and past a vector, a packed panel and a value chunk, in decoding (6, 3 and 12 rows) and prefill
   // (24 rows); key counts around a panel (32 keys on AVX2, 64 on 16 lanes) and a key tile (256; 512 on 16 lanes).
   using S = TypeParam;
   const Index dims[][2] = {{1, 1}, {3, 15}, {7, 9}, {16, 17}, {31, 33}, {57, 63}, {65, 80}, {100, 127}, {128, 130}};
@@ -600,7 +600,7 @@ TYPED_TEST(Kv16, VectorTailsAndTileEdges) {
   struct Rows {
     Index Hq, Hkv, Sq;
   };
-  const Rows rows[] = {{4, 2, 12}, {6, 1, 1}, {2, 2, 3}};
+  const Rows rows[] = {{4, 2, 12}, {6, 1, 1}, {2, 2, 3}, {12, 1, 1}};
   int n = 0;
   for (std::size_t i = 0; i < std::size(dims); ++i) {
     for (std::size_t j = 0; j < std::size(keys); ++j, ++n) {

@@ -273,7 +273,8 @@ struct Shape {
 };
 
 // Split-K starts above 2048 keys with a single query tile; decoding (K and V read in place) at Sq·G ≤ 16, and with
-// more than 4 rows (M = Sq·G) it takes turns over sub-blocks of 64 keys in row groups of 4 and a remainder.
+// more than 4 rows (M = Sq·G) a task of one kv head takes them over whole blocks in calls of 8 (AVX-512) and of at most
+// 4; a task of several token-major kv heads, in calls of at most 4 over sub-blocks of kDecodeGroupKeys keys.
 constexpr Shape kShapes[] = {
     {"prefill300", 2, 4, 2, 300, 300, 64, 64, Layout::bhsd},      // several query and key tiles, GQA 2, B = 2
     {"prefill200x520", 1, 4, 1, 200, 520, 64, 64, Layout::bshd},  // Sq < Skv, MQA

@@ -259,6 +259,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
   constexpr int NK = R > 4 ? 2 : static_cast<int>(kQkKeysPerStep<Tag>);
   static_assert(R >= 1 && (R <= 4 || (R == 8 && L >= 16 && !kPaced)),
                 "qkv: qk_in_place takes at most 4 rows, or 8 without a cursor on a 32-register tag");
+  static_assert(kQkKeysPerStep<Tag> % NK == 0, "qkv: 8-row steps must end where 4-row steps end (step_keys)");
   const Index d_full = D / L * L;
   const int tail = static_cast<int>(D - d_full);
   // With 8 rows (NK = 2), the steps end where 4-row steps would, and the keys after them go one at a time as there:
@@ -299,8 +300,8 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
         QKV_UNROLL for (int c = 0; c < NK; ++c) acc[r * NK + c] = fmadd(qv, kv[c], acc[r * NK + c]);
       }
     }
-    // Sums in (row, key) order, sixteen at a time where there are sixteen (4 rows × 4 keys on a 16-lane tag), else
-    // four at a time (the same pairing, so the same bits); then each row's NK scores go to its row of s.
+    // Sums in (row, key) order, sixteen at a time where there are sixteen (4 rows × 4 keys or 8 × 2 on a 16-lane tag),
+    // else four at a time (the same pairing, so the same bits); then each row's NK scores go to its row of s.
     constexpr int kSums = (R * NK + 3) / 4 * 4;
     float sums[kSums];
     if constexpr (R * NK == 16) {
@@ -339,10 +340,10 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// packing it. NK keys per step (2 on AVX2, whose 16 registers hold 4 × 2 accumulators, 2 keys and q; 4 on AVX-512,
 /// 2 there for 8 rows): each K vector is loaded once and meets the R rows of q, accumulating vertically over d; the
 /// R × NK sums are then reduced together by a transposing reduction (reduce_sum16 for 4 × 4 and 8 × 2 on AVX-512,
-/// else reduce_sum4), not one horizontal reduction per (row, key); every sum is paired the same way whatever R and NK
-/// are, so the bits do not depend on them. D tails by
-/// masked loads, so nothing past a row is read; the keys after the last whole step (for 8 rows, after the last multiple
-/// of 4 keys, as with 4 rows) one at a time. K is stored as S (float, Eigen::half
+/// else reduce_sum4; each pairs a sum's lanes the same way), not one horizontal reduction per (row, key). D tails by
+/// masked loads, so nothing past a row is read. The keys after the last multiple of kQkKeysPerStep go one at a time
+/// (reduce_sum, which pairs the lanes otherwise) whatever R is, so a score's bits do not depend on the rows of its
+/// call (Fused.DecodeKernelsGiveTheSameBitsForEightRowsAsForTwoCallsOfFour). K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched once the step's sums are stored:
 /// a loop or branch of prefetches inside the unrolled columns, or before the reduction, left the accumulators live
@@ -354,6 +355,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 template <class Tag, int R, int kLocality = 3, class S>
 inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index D, float* s, Index lds,
                         PrefetchCursor<S>* ahead = nullptr) noexcept {
+  if constexpr (R > 4) QKV_ASSERT(ahead == nullptr);  // 8 rows: no cursor
   if constexpr (R <= 4) {
     if (ahead != nullptr) {
       return with_head_dim<Tag>(D, [&](auto dim) {
@@ -479,8 +481,10 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>), int kLocality = 3>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr, const NextRows<S>& next = NextRows<S>()) noexcept {
-  static_assert(R >= 1 && (R <= 4 || (R == 8 && Tag::kLanes >= 16)),
-                "qkv: pv_in_place takes at most 4 rows, or 8 without a cursor on a 32-register tag");
+  static_assert(R >= 1 && (R <= 4 || (R == 8 && Tag::kLanes >= 16 && NV <= 3)),
+                "qkv: pv_in_place takes at most 4 rows, or 8 (at most 3 keys per step: kPvKeysPerStep8) without a "
+                "cursor on a 32-register tag");
+  if constexpr (R > 4) QKV_ASSERT(ahead == nullptr);
   if constexpr (R <= 4) {
     if (ahead != nullptr) return pv_paced<Tag, R, S, NV, kLocality>(p, ldp, v, ldv, keys, o, ldo, Dv, ahead, next);
   }

@@ -303,12 +303,13 @@ class FusedAttention {
 
   /// The decoding task (Sq·G ≤ kDecodeRows; K and V read in place), in base e. Blocks of kDecodeKeys keys: one
   /// pass over the block's K, its scores and softmax step, then one pass over its V, so that each pass streams a
-  /// single array (alternating short K and V blocks stalls the hardware prefetchers). With more than 4 rows, each
-  /// group of 4 rows passes over the whole block in turn, the later ones reading it from L2 (Zen 4, Hq = 64, Hkv = 8:
-  /// 0.85–0.87 of the time of sub-blocks of 64 keys from DRAM; bench/README.md, "2026-12-05, twenty-eighth
-  /// session"). A task of several kv heads
-  /// (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows, so
-  /// that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
+  /// single array (alternating short K and V blocks stalls the hardware prefetchers). A task of one kv head with more
+  /// than 4 rows takes them in calls of 8 on AVX-512 while 8 are left (decode_kernels.hpp, kQkDecodeRows and
+  /// kPvDecodeRows), then of at most 4, each call over the whole block, the later ones reading it from L2 (Zen 4,
+  /// Hq = 64, Hkv = 8, from DRAM: groups of 4 over whole blocks took 0.85–0.91 of the time of sub-blocks of 64 keys,
+  /// calls of 8 then 0.83–0.90 of that; bench/README.md, "2026-12-05, twenty-eighth session"). A task of several kv
+  /// heads (token-major K and V, plans()) takes its heads in turn over sub-blocks of kDecodeGroupKeys whole key rows,
+  /// so that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
   /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
   /// (PrefetchCursor), paced over the sub-block's arithmetic; its P·V calls also name the rows their reading goes on
   /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). Every
@@ -340,7 +341,7 @@ class FusedAttention {
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
     constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S>);
-    const Index row_groups = (GR + 3) / 4;  // micro-kernel calls per kv head and sub-block
+    const Index row_groups = (GR + 3) / 4;  // a grouped task's micro-kernel calls per kv head and sub-block (4 rows)
     // What a grouped task prefetches while a sub-block's `steps` micro-kernel steps run: the next sub-block in the
     // order the task reads rows, `end` being where the running sub-block of a pass over the block (n keys from j0)
     // ends. That is the rest of the pass; after a block's K, the first rows of its V; after its V (or its K, where
@@ -378,7 +379,7 @@ class FusedAttention {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
           const auto qk_rows = [&](auto rows_constant, Index r0) {
             constexpr int R = decltype(rows_constant)::value;
-            if constexpr (R > 4) {  // head-major only
+            if constexpr (R > 4) {  // one kv head (not grouped) only
               qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
             } else {
               qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS,
@@ -433,7 +434,7 @@ class FusedAttention {
             }
             const auto pv_rows = [&](auto rows_constant, Index r0) {
               constexpr int R = decltype(rows_constant)::value;
-              if constexpr (R > 4) {  // head-major only
+              if constexpr (R > 4) {  // one kv head (not grouped) only
                 pv_in_place<Tag, R, S, kPvKeysPerStep8, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
                                                                    acc_o + r0 * Dv, Dv, Dv);
               } else if (grouped) {

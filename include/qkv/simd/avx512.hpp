@@ -113,7 +113,8 @@ inline __m512 hadd_pairs(Avx512Tag, __m512 x, __m512 y) noexcept {
 /// out[0..16) = the lane sums of v[0..16), each paired exactly as reduce_sum4 pairs it (so the same bits): h_i = lane
 /// i + lane i + 8, then ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)); computed for all sixteen at once by a
 /// transposing tree whose every level adds two vectors of partial sums (45 shuffles and adds, a permute and one
-/// store, where four reduce_sum4 take 4 × 20 operations). The decoding Q·Kᵀ reduces 4 rows × 4 keys this way.
+/// store, where four reduce_sum4 take 4 × 20 operations). The decoding Q·Kᵀ reduces 4 rows × 4 keys (or 8 × 2) this
+/// way.
 inline void reduce_sum16(Avx512Tag tag, const __m512* v, float* out) noexcept {
   // Level 1: lanes i and i + 8 of two vectors, side by side: [h of v[2k] | h of v[2k + 1]].
   __m512 h[8];
