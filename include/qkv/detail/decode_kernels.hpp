@@ -343,7 +343,7 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// else reduce_sum4; each pairs a sum's lanes the same way), not one horizontal reduction per (row, key). D tails by
 /// masked loads, so nothing past a row is read. The keys after the last multiple of kQkKeysPerStep go one at a time
 /// (reduce_sum, which pairs the lanes otherwise) whatever R is, so a score's bits do not depend on the rows of its
-/// call (Fused.DecodeKernelsGiveTheSameBitsForEightRowsAsForTwoCallsOfFour). K is stored as S (float, Eigen::half
+/// call (Fused.EightRowDecodingCallsGiveTheBitsOfTwoCallsOfFour). K is stored as S (float, Eigen::half
 /// or Eigen::bfloat16) and converted to float as it is loaded (simd::load_kv): q is never rounded. `ahead`, if given,
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched once the step's sums are stored:
 /// a loop or branch of prefetches inside the unrolled columns, or before the reduction, left the accumulators live
