@@ -223,10 +223,14 @@ template <class Tag>
 inline constexpr Index kPvKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
 /// pv_in_place's NV for a grouped (token-major) task, whose V rows of one kv head lie a whole key row apart (4 KiB
 /// for 8 float heads of 128): four float rows in flight then share their address bits below 4 KiB with each other
-/// and with the acc_o stores, and measured on Zen 5 (Skv = 32768, 8 kv heads of 128, one thread) four keys per step
-/// ran 10 % slower than two for float V, while 16-bit V (rows half as far apart) ran 10 % faster with four.
-template <class Tag, class S>
-inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) ? 2 : kPvKeysPerStep<Tag>;
+/// and with the acc_o stores, and measured on Zen 5 (Skv = 32768, 8 kv heads of 128, one thread, prefetches into L1)
+/// four keys per step ran 10 % slower than two for float V, while 16-bit V (rows half as far apart) ran 10 % faster
+/// with four. In the copy whose prefetches go into L2 (kLocality = 2, the one Zen 4 runs: isa.hpp's
+/// decode_prefetch_level) four keys per step took float token-major decode 0.93–0.98 of the time from DRAM (six runs)
+/// and 0.90–0.95 from L3 (Zen 4, paired against two, clang++; g++ 0.93 and 0.86; the same bits: bench/README.md,
+/// "2026-12-05, twenty-ninth session"), so that copy takes kPvKeysPerStep for float V too.
+template <class Tag, class S, int kLocality>
+inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) && kLocality != 2 ? 2 : kPvKeysPerStep<Tag>;
 
 /// Query rows per call of a head-major decoding task (one kv head; fused_attention.hpp, run_decode_task) while that
 /// many rows are left, the rest in calls of at most 4: 8 on a 32-register tag (qk_in_place with 8 × 2 accumulators,

@@ -340,7 +340,7 @@ class FusedAttention {
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
-    constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S>);
+    constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S, kLocality>);
     const Index row_groups = (GR + 3) / 4;  // a grouped task's micro-kernel calls per kv head and sub-block (4 rows)
     // What a grouped task prefetches while a sub-block's `steps` micro-kernel steps run: the next sub-block in the
     // order the task reads rows, `end` being where the running sub-block of a pass over the block (n keys from j0)
