@@ -5,7 +5,8 @@
 // values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys, or kSpreadKeys) inside its own key
 // range or the rows read next; a task over token-major K and V also hands them a PrefetchCursor, whose whole rows ahead
 // they issue a share per step. Every prefetch goes to the cache level the kernels' kLocality names (simd::prefetch:
-// 3 into L1, 2 into L2), which run_decode_task takes from decode_prefetch_level() (isa.hpp). Per key and kv head
+// 3 into L1, 2 into L2), which run_decode_task takes from decode_prefetch_level() (isa.hpp), but for a paced P·V
+// step's rows a few keys ahead, which go into L1 (kSpreadLocality). Per key and kv head
 // (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. The micro-kernels are also compiled for
 // D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
 //
@@ -184,6 +185,15 @@ inline constexpr bool kSpreadAhead = kSpreadAheadCompiler && !kPaced && kDim > 0
 /// twenty-fifth session").
 template <class Tag, class S, Index kDim>
 inline constexpr bool kSpreadAheadPaced = kSpreadAhead<Tag, S, false, kDim>;
+
+/// The level a step's spread prefetches (kSpreadAhead, kSpreadAheadPaced) go to: kLocality's for a head-major step; L1
+/// (3) for a paced one in either copy, as the cursor has fetched its rows a sub-block ahead into kLocality's level, and
+/// the spread then brings them the short way on into L1. Measured on Zen 4 (whose copy prefetches into L2; Sq = 1,
+/// Hq = 32, Hkv = 8, D = 128, BSHD float, one thread, clang++, paired against the spread into L2): from DRAM
+/// 0.934–0.987 of the time (17–28 of 24–32 rounds, four runs), from L3 0.888–0.977; without the spread in that
+/// copy, 1.040 from DRAM (bench/README.md, "2026-12-05, twenty-ninth session").
+template <bool kPaced, int kLocality>
+inline constexpr int kSpreadLocality = kPaced ? 3 : kLocality;
 
 /// The rows a decoding call's reading goes on with (the next kv head's in the sub-block, the next sub-block's, or the
 /// next block's first K rows), `keys` of them: where a step spreads its prefetches ahead (kSpreadAhead,
@@ -379,7 +389,8 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// (Run::per_column lines at each). kDim: Dv where with_head_dim compiles it in, else 0 (Dv read at run time).
 /// `ahead_rows`: the first of NV rows (`ldv` apart, at least Dv wide, rows the task reads: spread_rows) whose lines
 /// the step prefetches one per vector column where kSpreadAhead (unpaced) or kSpreadAheadPaced (paced) holds; not read
-/// otherwise (then it may be null).
+/// otherwise (then it may be null). The run's lines go to the level kLocality names; a paced step's rows ahead go into
+/// L1 in either copy (kSpreadLocality).
 template <class Tag, int R, int NV, bool kPaced, Index kDim, int kLocality, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
                     typename PrefetchCursor<S>::Run& run, const S* ahead_rows) noexcept {
@@ -396,7 +407,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
     if constexpr (kPaced) run.template issue_next<kLocality>(per_column);
     if constexpr (kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpreadAhead<Tag, S, false, kDim>) {
-      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch<kLocality>(ahead_rows + n * ldv + c);
+      QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch<kSpreadLocality<kPaced, kLocality>>(ahead_rows + n * ldv + c);
     }
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) {
@@ -481,7 +492,7 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches as qk_in_place does (a burst
 /// kDecodePrefetchKeys ahead, or kSpreadKeys ahead one line per column where kSpreadAhead holds, then also into
 /// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds. Every prefetch goes
-/// to the level kLocality names, as in qk_in_place.
+/// to the level kLocality names, as in qk_in_place, but for a paced step's rows ahead: L1 (kSpreadLocality).
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>), int kLocality = 3>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr, const NextRows<S>& next = NextRows<S>()) noexcept {

@@ -77,7 +77,7 @@ struct FusedTiles {
   /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
   /// share it: it is one task per chunk, not one per kv head.
   static constexpr Index kDecodeMinChunks = 4;
-  /// Whether the decoding task is compiled a second time with every prefetch into L2 (run_task, isa.hpp's
+  /// Whether the decoding task is compiled a second time with its prefetches into L2 (run_task, isa.hpp's
   /// decode_prefetch_level): the vector kernels only. On a CPU that picks L2 (Zen 4, with AVX-512) the scalar kernel
   /// runs only under the QKV_ISA=scalar pin or in a build without dispatch (QKV_DISPATCH=0) whose flags lack AVX2, and
   /// prefetches into L1 there too, so that a dispatching build compiles one decoding copy fewer. The AVX2 kernel keeps
