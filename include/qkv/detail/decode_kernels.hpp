@@ -190,7 +190,7 @@ inline constexpr bool kSpreadAheadPaced = kSpreadAhead<Tag, S, false, kDim>;
 /// (3) for a paced one in either copy, as the cursor has fetched its rows a sub-block ahead into kLocality's level, and
 /// the spread then brings them the short way on into L1. Measured on Zen 4 (whose copy prefetches into L2; Sq = 1,
 /// Hq = 32, Hkv = 8, D = 128, BSHD float, one thread, clang++, paired against the spread into L2): from DRAM
-/// 0.934–0.987 of the time (17–28 of 24–32 rounds, four runs), from L3 0.888–0.977; without the spread in that
+/// 0.934–0.987 of the time (17–28 of 24–32 rounds, five runs), from L3 0.888–0.977; without the spread in that
 /// copy, 1.040 from DRAM (bench/README.md, "2026-12-05, twenty-ninth session").
 template <bool kPaced, int kLocality>
 inline constexpr int kSpreadLocality = kPaced ? 3 : kLocality;

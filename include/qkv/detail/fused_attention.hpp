@@ -315,7 +315,9 @@ class FusedAttention {
   /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). Every
   /// software prefetch of the task goes to the levels kLocality names (3: every level, 2: L2 and beyond;
   /// simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp; the scalar kernel: L1 only,
-  /// FusedTiles::kDecodePrefetchL2); prefetches change no result.
+  /// FusedTiles::kDecodePrefetchL2), but for those rows ahead, which go into L1 (kSpreadLocality); prefetches change
+  /// no result. kLocality also sets a grouped task's P·V step for float V on 16-lane tags (kPvGroupedKeysPerStep: four
+  /// keys in the L2 copy, two in the L1 copy), which changes no result either.
   template <int kLocality>
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);

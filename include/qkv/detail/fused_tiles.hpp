@@ -82,7 +82,8 @@ struct FusedTiles {
   /// runs only under the QKV_ISA=scalar pin or in a build without dispatch (QKV_DISPATCH=0) whose flags lack AVX2, and
   /// prefetches into L1 there too, so that a dispatching build compiles one decoding copy fewer. The AVX2 kernel keeps
   /// both: an -march=x86-64-v3 binary runs it on Zen 4, where L2 took 0.47–0.62 of its decode time from DRAM
-  /// (bench/README.md, "2026-12-05, twenty-sixth session").
+  /// (bench/README.md, "2026-12-05, twenty-sixth session"). Besides its prefetches, the L2 copy differs in one step
+  /// size: a grouped task's P·V takes four float keys per step on 16-lane tags (kPvGroupedKeysPerStep), the same bits.
   static constexpr bool kDecodePrefetchL2 = kLanes > 1;
   /// Floats per key of a packed chunk `width` ≤ kChunk columns wide: kChunk for a full chunk, the last chunk of Dv
   /// (or D) rounded up to whole vectors only, so that a narrow tail (Dv = 32, 80 or 96 on AVX-512) costs neither
