@@ -412,6 +412,10 @@ TEST(Fused, DecodeShapesWithEveryOption) {
   }
 }
 
+// head_dim pairs (D, Dv) around the decoding micro-kernels' unrolled 64 and 128 (decode_kernels.hpp, with_head_dim).
+const std::pair<Index, Index> kUnrolledDimPairs[] = {{64, 64},  {128, 128}, {128, 64}, {64, 128},
+                                                     {128, 80}, {80, 128},  {72, 64}};
+
 TEST(Fused, DecodeAtTheUnrolledHeadDims) {
   // The decoding micro-kernels are compiled for D (and Dv) = 64 and 128 with their column loops unrolled
   // (decode_kernels.hpp, with_head_dim), and keep the runtime loop for any other head_dim: both, mixed in one call (D
@@ -419,13 +423,10 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
   // R; on AVX-512 and the emulated 16-lane tag, 8 rows are one call and 12 two, of 8 and 4 rows: their kQkDecodeRows
   // and kPvDecodeRows), against the float64 reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and
   // one key); 2053 puts 5 keys in a second split-K chunk; each runs with and without key_lengths (which end the keys
-  // mid-step). Token-major K and V with one kv head per task take the same kernels: Hkv = 1, and Hkv = 7 at 16 query
-  // rows per kv head, where the plan's tasks of 6 kv heads leave a last task of one, its rows 7·D apart. A grouped task
-  // (token-major, several kv heads, the kernels paced by a PrefetchCursor) takes every pair of head_dims with 1, 3 and
-  // 4 rows per kv head.
-  const std::pair<Index, Index> dims[] = {{64, 64}, {128, 128}, {128, 64}, {64, 128}, {128, 80}, {80, 128}, {72, 64}};
+  // mid-step). Token-major K and V with one kv head per task take the same kernels: Hkv = 1 here, and Hkv = 7 in
+  // DecodeGroupedAtTheUnrolledHeadDims.
   int trial = 0;
-  for (const auto& [D, Dv] : dims) {
+  for (const auto& [D, Dv] : kUnrolledDimPairs) {
     for (const Index group : {1, 2, 3, 4, 8, 12}) {
       if (group == 8 && reduced_grid()) continue;  // a reduced grid (valgrind): 12 rows (8 + 4) stand for 8
       for (const Index skv : {Index(1027), Index(2053)}) {
@@ -448,7 +449,18 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
       }
     }
   }
-  for (const auto& [D, Dv] : dims) {
+}
+
+TEST(Fused, DecodeGroupedAtTheUnrolledHeadDims) {
+  // A grouped decoding task (token-major K and V, several kv heads, the micro-kernels paced by a PrefetchCursor: four
+  // keys per P·V step for float V on 16-lane tags in the L2 copy, two in the L1 copy, kPvGroupedKeysPerStep) at every
+  // pair of head_dims of DecodeAtTheUnrolledHeadDims with 1, 3 and 4 query rows per kv head, against the float64
+  // reference: Skv = 1027 leaves 3 keys after the last whole step of the last sub-block (a pair and one key), and
+  // key_lengths of 1021 end it after 13 keys by turns. Hkv = 7 at 16 query rows per kv head: the plan's tasks of 6 kv
+  // heads leave a last task of one, its rows 7·D apart. The sanitize stage of .ci/run runs this test pinned to the L2
+  // copy as well.
+  int trial = 0;
+  for (const auto& [D, Dv] : kUnrolledDimPairs) {
     for (const Index group : {1, 3, 4}) {
       Case c;
       c.bshd = true;
