@@ -18,7 +18,9 @@
 // the build's flags. Source: the dynamic dispatch of Highway (HWY_DYNAMIC_DISPATCH) and OpenBLAS's DYNAMIC_ARCH.
 //
 // Also chosen here, once per process: the cache level of the decoding kernels' software prefetches, L2 on AMD Zen 4 and
-// L1 elsewhere, or the QKV_DECODE_PREFETCH pin (decode_prefetch_level). A hint: no result depends on it.
+// L1 elsewhere, or the QKV_DECODE_PREFETCH pin (decode_prefetch_level). It also sets one step size (a token-major
+// decoding task's float P·V takes four keys per step in the L2 copy on AVX-512, kPvGroupedKeysPerStep); no result
+// depends on it.
 #pragma once
 
 #include <cstdio>
