@@ -32,6 +32,7 @@
 #endif
 
 #include "fma_loop.hpp"
+#include "qkv/detail/cache_line_allocator.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/simd/simd.hpp"
 #include "support/counting_allocator.hpp"  // replaces operator new in this executable: alloc_MiB
@@ -98,10 +99,17 @@ void with_storage(std::int64_t storage, F&& f) {
   }
 }
 
-/// `values` rounded to storage type S (exactly what a user holding a 16-bit cache has).
+/// A vector whose storage starts a 64-byte cache line, as an Eigen matrix's does with AVX-512 and a PyTorch tensor's
+/// always: decode's K and V and the read loop's bytes. A plain std::vector of that size starts 16 bytes past a page
+/// (glibc), where every 512-bit load of a 512-byte row straddles two lines; from L3 that cost token-major float decode
+/// about a tenth of its speed on Zen 4 (bench/README.md, "2026-12-06, thirtieth session").
+template <class T>
+using LineVector = std::vector<T, qkv::detail::CacheLineAllocator<T>>;
+
+/// `values` rounded to storage type S (exactly what a user holding a 16-bit cache has), in a LineVector.
 template <class S>
-std::vector<S> stored_as(const std::vector<float>& values) {
-  std::vector<S> result(values.size());
+LineVector<S> stored_as(const std::vector<float>& values) {
+  LineVector<S> result(values.size());
   for (std::size_t i = 0; i < values.size(); ++i) result[i] = S(values[i]);
   return result;
 }
@@ -425,7 +433,7 @@ void BM_ReadLoop(benchmark::State& state) {
   const Index Skv = state.range(0), Hkv = 8, D = 128;
   const int threads = static_cast<int>(state.range(1));
   const std::size_t n = std::size_t(2 * Hkv * Skv * D);
-  const auto data = random_vector(n, 4);
+  const auto data = stored_as<float>(random_vector(n, 4));
   using Tag = qkv::simd::BestTag;
   constexpr int L = Tag::kLanes;
   const auto read = [&] {

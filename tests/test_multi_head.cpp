@@ -771,6 +771,31 @@ TEST(MultiHeadCache, ViewsAndAppend) {
   expect_shape_error([] { qkv::KVCache<float>(4, 2, 0); }, {"head_dim", "0"});
 }
 
+// Each head's rows start a 64-byte cache line where head_dim·sizeof(Storage) is a multiple of 64, for every storage
+// type and in a copy too (CacheLineAllocator; glibc's malloc puts large blocks 16 bytes past a page, where each row
+// of a std::vector straddles two lines).
+TEST(MultiHeadCache, RowsStartCacheLines) {
+  const auto expect_lines = [](const auto& cache) {
+    const auto offset = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 64; };
+    for (Index h = 0; h < cache.n_kv_heads(); ++h) {
+      for (Index t = 0; t < cache.capacity(); t += 7) {
+        EXPECT_EQ(offset(cache.keys().data() + cache.keys().strides()[1] * h + cache.keys().strides()[2] * t), 0u);
+        EXPECT_EQ(offset(cache.values().data() + cache.values().strides()[1] * h + cache.values().strides()[2] * t),
+                  0u);
+      }
+    }
+  };
+  // Large enough (8 MiB and 2 MiB per array) for glibc to map each array afresh, 16 bytes past a page.
+  qkv::KVCache<float> f32(2048, 8, 128);
+  expect_lines(f32);
+  qkv::KVCache<float, Eigen::half> f16(1024, 4, 256);
+  expect_lines(f16);
+  qkv::KVCache<double> f64(100, 3, 8);  // 64-byte rows of double
+  expect_lines(f64);
+  const qkv::KVCache<float> copy = f32;
+  expect_lines(copy);
+}
+
 // Overflow throws shape_error naming the sizes and leaves the cache as it was; a failing attention call after the
 // append (a bad option) undoes the append.
 TEST(MultiHeadCache, OverflowAndFailedCallsLeaveTheCacheUnchanged) {

@@ -1136,6 +1136,38 @@ int backward_bits_mode(const std::vector<std::string>& filters, bool perturb) {
 // overloads of attention (K and V as Eigen::half or Eigen::bfloat16) exist from c220239 on, and the other modes must
 // still build against older revisions.
 
+/// n elements of S in a std::vector's storage, starting where the vector puts them (`offset` null) or `offset` (a
+/// decimal count of bytes, a multiple of sizeof(S) below 64) past the first 64-byte boundary in it; a copy of
+/// `other` so placed when constructed from it. The decode mode's K and V: where their rows start against the cache
+/// lines moves decode's speed (bench/README.md, "2026-12-06, thirtieth session").
+template <class S>
+class PlacedArray {
+ public:
+  PlacedArray(std::size_t n, const char* offset) : store_(n + 64 / sizeof(S)), n_(n) {
+    first_ = store_.data();
+    if (offset != nullptr) {
+      const auto address = reinterpret_cast<std::uintptr_t>(store_.data());
+      const long bytes = std::strtol(offset, nullptr, 10);
+      const std::uintptr_t boundary = (address + 63) / 64 * 64;
+      first_ = reinterpret_cast<S*>(boundary + static_cast<std::uintptr_t>(bytes >= 0 && bytes < 64 ? bytes : 0));
+    }
+  }
+  PlacedArray(const PlacedArray& other, const char* offset) : PlacedArray(other.n_, offset) {
+    std::copy(other.begin(), other.end(), first_);
+  }
+  PlacedArray(const PlacedArray&) = delete;
+  PlacedArray& operator=(const PlacedArray&) = delete;
+  S* data() const noexcept { return first_; }
+  S* begin() const noexcept { return first_; }
+  S* end() const noexcept { return first_ + n_; }
+  int offset() const noexcept { return static_cast<int>(reinterpret_cast<std::uintptr_t>(first_) % 64); }
+
+ private:
+  std::vector<S> store_;
+  std::size_t n_;
+  S* first_;
+};
+
 // Speed of one decoding step: B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv (128 unless given), Skv keys, K and V stored as
 // S (rounded once from random normal floats), q and out float, one thread; A and B alternate as in the backward's
 // speed mode.
@@ -1144,12 +1176,23 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   const long Hkv = 8;
   const std::size_t kv_size = static_cast<std::size_t>(Skv * Hkv * D);
   std::vector<float> q(static_cast<std::size_t>(Hq * D)), out_a(q.size(), kNaN), out_b(q.size(), kNaN);
-  std::vector<S> k(kv_size), v(kv_size);
+  // K and V where a std::vector puts them (16 bytes past a page, for glibc's large blocks), or QKV_AB_KV_OFFSET bytes
+  // past a 64-byte boundary; QKV_AB_B_KV_OFFSET gives side B a copy of its own so placed (placement_of).
+  PlacedArray<S> k(kv_size, std::getenv("QKV_AB_KV_OFFSET")), v(kv_size, std::getenv("QKV_AB_KV_OFFSET"));
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
   for (auto& e : q) e = normal(rng);
   for (auto* x : {&k, &v})
     for (auto& e : *x) e = S(normal(rng));  // rounded to the storage type once
+  const char* b_offset = std::getenv("QKV_AB_B_KV_OFFSET");
+  std::optional<PlacedArray<S>> k_copy, v_copy;
+  if (b_offset != nullptr) {
+    k_copy.emplace(k, b_offset);
+    v_copy.emplace(v, b_offset);
+  }
+  const PlacedArray<S>& k_of_b = b_offset != nullptr ? *k_copy : k;
+  const PlacedArray<S>& v_of_b = b_offset != nullptr ? *v_copy : v;
+  std::printf("K and V %d bytes past a 64-byte boundary for A, %d for B\n", k.offset(), k_of_b.offset());
 
   set_threads(1);
   SideA::Options options_a;
@@ -1161,8 +1204,8 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   const auto v_a = SideA::view(static_cast<const S*>(v.data()), layout, 1, Hkv, Skv, D);
   const auto o_a = SideA::view(out_a.data(), layout, 1, Hq, 1, D);
   const auto q_b = SideB::view(static_cast<const float*>(q.data()), layout, 1, Hq, 1, D);
-  const auto k_b = SideB::view(static_cast<const S*>(k.data()), layout, 1, Hkv, Skv, D);
-  const auto v_b = SideB::view(static_cast<const S*>(v.data()), layout, 1, Hkv, Skv, D);
+  const auto k_b = SideB::view(static_cast<const S*>(k_of_b.data()), layout, 1, Hkv, Skv, D);
+  const auto v_b = SideB::view(static_cast<const S*>(v_of_b.data()), layout, 1, Hkv, Skv, D);
   const auto o_b = SideB::view(out_b.data(), layout, 1, Hq, 1, D);
   const auto run_a = [&] { SideA::attention(q_a, k_a, v_a, o_a, options_a); };
   const auto run_b = [&] { SideB::attention(q_b, k_b, v_b, o_b, options_b); };

@@ -56,6 +56,7 @@
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/config.hpp"
+#include "qkv/detail/cache_line_allocator.hpp"
 #include "qkv/detail/validate.hpp"
 #include "qkv/errors.hpp"
 #include "qkv/options.hpp"
@@ -151,7 +152,9 @@ class KVCache {
   using storage_type = Storage;
 
   /// An empty cache for `capacity` tokens of `n_kv_heads` key/value heads of `head_dim` features each; every slot
-  /// starts as a quiet NaN of Storage. Allocates 2·n_kv_heads·capacity·head_dim·sizeof(Storage) bytes.
+  /// starts as a quiet NaN of Storage. Allocates 2·n_kv_heads·capacity·head_dim·sizeof(Storage) bytes, each array
+  /// on a 64-byte boundary (so each head's rows start a cache line where head_dim·sizeof(Storage) is a multiple of 64:
+  /// the decoding kernels' 512-bit loads then never straddle two lines).
   KVCache(Index capacity, Index n_kv_heads, Index head_dim)
       : capacity_(capacity), n_kv_heads_(n_kv_heads), head_dim_(head_dim) {
     const char* function = "qkv::KVCache::KVCache";
@@ -236,8 +239,9 @@ class KVCache {
   Index n_kv_heads_ = 1;
   Index head_dim_ = 1;
   Index length_ = 0;
-  std::vector<Storage> keys_;    ///< [Hkv, capacity, head_dim]
-  std::vector<Storage> values_;  ///< [Hkv, capacity, head_dim]
+  // Each head's rows start a cache line where head_dim·sizeof(Storage) is a multiple of 64 (CacheLineAllocator).
+  std::vector<Storage, detail::CacheLineAllocator<Storage>> keys_;    ///< [Hkv, capacity, head_dim]
+  std::vector<Storage, detail::CacheLineAllocator<Storage>> values_;  ///< [Hkv, capacity, head_dim]
 };
 
 /// Multi-head attention with its projections (PyTorch's nn.MultiheadAttention, forward and backward), with
