@@ -99,17 +99,19 @@ void with_storage(std::int64_t storage, F&& f) {
   }
 }
 
-/// A vector whose storage starts a 64-byte cache line, as an Eigen matrix's does with AVX-512 and a PyTorch tensor's
-/// always: decode's K and V and the read loop's bytes. A plain std::vector of that size starts 16 bytes past a page
-/// (glibc), where every 512-bit load of a 512-byte row straddles two lines; from L3 that cost token-major float decode
-/// about a tenth of its speed on Zen 4 (bench/README.md, "2026-12-06, thirtieth session").
+/// A vector whose storage starts a 64-byte cache line, as a PyTorch tensor's always does and an Eigen matrix's does
+/// with AVX-512 flags: decode's K and V and the read loop's bytes (prefill packs K and V, and its inputs stay in
+/// plain vectors). A plain std::vector of that size starts 16 bytes past a page (glibc), where every 512-bit load of a
+/// 512-byte row straddles two lines; from L3 that cost token-major float decode about a tenth of its speed on Zen 4
+/// (bench/README.md, "2026-12-06, thirtieth session").
 template <class T>
 using LineVector = std::vector<T, qkv::detail::CacheLineAllocator<T>>;
 
-/// `values` rounded to storage type S (exactly what a user holding a 16-bit cache has), in a LineVector.
-template <class S>
-LineVector<S> stored_as(const std::vector<float>& values) {
-  LineVector<S> result(values.size());
+/// `values` rounded to storage type S (exactly what a user holding a 16-bit cache has), in a std::vector or, with
+/// Vector = LineVector<S>, on cache lines.
+template <class S, class Vector = std::vector<S>>
+Vector stored_as(const std::vector<float>& values) {
+  Vector result(values.size());
   for (std::size_t i = 0; i < values.size(); ++i) result[i] = S(values[i]);
   return result;
 }
@@ -402,8 +404,8 @@ void BM_FusedDecode(benchmark::State& state) {
   with_storage(state.range(3), [&](auto storage) {
     using S = decltype(storage);
     element_bytes = sizeof(S);
-    const auto k = stored_as<S>(random_vector(std::size_t(Hkv * Skv * D), 2)),
-               v = stored_as<S>(random_vector(std::size_t(Hkv * Skv * D), 3));
+    const auto k = stored_as<S, LineVector<S>>(random_vector(std::size_t(Hkv * Skv * D), 2)),
+               v = stored_as<S, LineVector<S>>(random_vector(std::size_t(Hkv * Skv * D), 3));
     const auto view = [&](const auto* data, Index H, Index S_) {
       return bshd ? qkv::view_bshd(data, 1, S_, H, D) : qkv::view_bhsd(data, 1, H, S_, D);
     };
@@ -433,7 +435,7 @@ void BM_ReadLoop(benchmark::State& state) {
   const Index Skv = state.range(0), Hkv = 8, D = 128;
   const int threads = static_cast<int>(state.range(1));
   const std::size_t n = std::size_t(2 * Hkv * Skv * D);
-  const auto data = stored_as<float>(random_vector(n, 4));
+  const auto data = stored_as<float, LineVector<float>>(random_vector(n, 4));
   using Tag = qkv::simd::BestTag;
   constexpr int L = Tag::kLanes;
   const auto read = [&] {

@@ -36,9 +36,10 @@
 #                  compiler's ISA macros against /proc/cpuinfo; -march=x86-64-v4 on an AVX2-only CPU) is compiled, not
 #                  run.
 #   QKV_AB_KV_OFFSET, QKV_AB_B_KV_OFFSET
-#                  --decode only: K and V start this many bytes (0 to 63) past a 64-byte boundary, for both sides
-#                  (default: where a std::vector puts them, 16 bytes past a page with glibc); the second gives side B a
-#                  copy of its own so placed, so that one run pairs two placements (REV_A = REV_B).
+#                  --decode only: K and V start this many bytes (a multiple of the element's size, below 64) past a
+#                  64-byte boundary, for both sides (unset or empty: where a std::vector puts them, 16 bytes past a
+#                  page with glibc); the second gives side B a copy of its own so placed, so that one run pairs two
+#                  placements (REV_A = REV_B).
 #   QKV_AB_ISAS    a list of -march values, e.g. "x86-64 x86-64-v3 x86-64-v4 native": one build per ISA (flags
 #                  QKV_AB_FLAGS, default -O3, then -march=ISA), each in build/ab/isa-ISA, each run in turn (or
 #                  compiled only, as above). Exit status 1 if any run fails.

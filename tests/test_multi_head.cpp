@@ -772,8 +772,8 @@ TEST(MultiHeadCache, ViewsAndAppend) {
 }
 
 // Each head's rows start a 64-byte cache line where head_dim·sizeof(Storage) is a multiple of 64, for every storage
-// type and in a copy too (CacheLineAllocator; glibc's malloc puts large blocks 16 bytes past a page, where each row
-// of a std::vector straddles two lines).
+// type and in a copy too (CacheLineAllocator; glibc's malloc, by default, maps blocks this large afresh, 16 bytes past
+// a page, where each row of a std::vector straddles two lines).
 TEST(MultiHeadCache, RowsStartCacheLines) {
   const auto expect_lines = [](const auto& cache) {
     const auto offset = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 64; };
@@ -785,11 +785,13 @@ TEST(MultiHeadCache, RowsStartCacheLines) {
       }
     }
   };
-  // Large enough (8 MiB and 2 MiB per array) for glibc to map each array afresh, 16 bytes past a page.
+  // Large enough (8 MiB, 2 MiB, 512 KiB per array) for glibc's default malloc to map each array afresh.
   qkv::KVCache<float> f32(2048, 8, 128);
   expect_lines(f32);
   qkv::KVCache<float, Eigen::half> f16(1024, 4, 256);
   expect_lines(f16);
+  qkv::KVCache<float, Eigen::bfloat16> bf16(512, 8, 64);  // 128-byte rows
+  expect_lines(bf16);
   qkv::KVCache<double> f64(100, 3, 8);  // 64-byte rows of double
   expect_lines(f64);
   const qkv::KVCache<float> copy = f32;

@@ -1136,20 +1136,26 @@ int backward_bits_mode(const std::vector<std::string>& filters, bool perturb) {
 // overloads of attention (K and V as Eigen::half or Eigen::bfloat16) exist from c220239 on, and the other modes must
 // still build against older revisions.
 
-/// n elements of S in a std::vector's storage, starting where the vector puts them (`offset` null) or `offset` (a
-/// decimal count of bytes, a multiple of sizeof(S) below 64) past the first 64-byte boundary in it; a copy of
-/// `other` so placed when constructed from it. The decode mode's K and V: where their rows start against the cache
-/// lines moves decode's speed (bench/README.md, "2026-12-06, thirtieth session").
+/// n elements of S in a std::vector's storage, starting where the vector puts them (`offset` null or empty) or
+/// `offset` bytes (a decimal count, a multiple of sizeof(S) below 64) past the first 64-byte boundary in it; a copy
+/// of `other` so placed when constructed from it. The decode mode's K and V: where their rows start against the
+/// cache lines moves decode's speed (bench/README.md, "2026-12-06, thirtieth session"). Exits with a message for any
+/// other offset.
 template <class S>
 class PlacedArray {
  public:
-  PlacedArray(std::size_t n, const char* offset) : store_(n + 64 / sizeof(S)), n_(n) {
-    first_ = store_.data();
-    if (offset != nullptr) {
+  PlacedArray(std::size_t n, const char* offset) : store_(n + 128 / sizeof(S)), n_(n) {
+    first_ = store_.data();  // up to 63 bytes to the boundary and 63 past it: 128 bytes of room
+    if (offset != nullptr && *offset != '\0') {
+      char* end = nullptr;
+      const long bytes = std::strtol(offset, &end, 10);
+      if (*end != '\0' || bytes < 0 || bytes >= 64 || bytes % static_cast<long>(sizeof(S)) != 0) {
+        std::fprintf(stderr, "ab_fused: a K/V offset must be a multiple of %zu bytes below 64, not \"%s\"\n", sizeof(S),
+                     offset);
+        std::exit(2);
+      }
       const auto address = reinterpret_cast<std::uintptr_t>(store_.data());
-      const long bytes = std::strtol(offset, nullptr, 10);
-      const std::uintptr_t boundary = (address + 63) / 64 * 64;
-      first_ = reinterpret_cast<S*>(boundary + static_cast<std::uintptr_t>(bytes >= 0 && bytes < 64 ? bytes : 0));
+      first_ = reinterpret_cast<S*>((address + 63) / 64 * 64 + static_cast<std::uintptr_t>(bytes));
     }
   }
   PlacedArray(const PlacedArray& other, const char* offset) : PlacedArray(other.n_, offset) {
@@ -1160,6 +1166,7 @@ class PlacedArray {
   S* data() const noexcept { return first_; }
   S* begin() const noexcept { return first_; }
   S* end() const noexcept { return first_ + n_; }
+  /// Bytes past the last 64-byte boundary at or before the first element.
   int offset() const noexcept { return static_cast<int>(reinterpret_cast<std::uintptr_t>(first_) % 64); }
 
  private:
@@ -1177,7 +1184,7 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   const std::size_t kv_size = static_cast<std::size_t>(Skv * Hkv * D);
   std::vector<float> q(static_cast<std::size_t>(Hq * D)), out_a(q.size(), kNaN), out_b(q.size(), kNaN);
   // K and V where a std::vector puts them (16 bytes past a page, for glibc's large blocks), or QKV_AB_KV_OFFSET bytes
-  // past a 64-byte boundary; QKV_AB_B_KV_OFFSET gives side B a copy of its own so placed (placement_of).
+  // past a 64-byte boundary; QKV_AB_B_KV_OFFSET gives side B a copy of its own so placed (PlacedArray).
   PlacedArray<S> k(kv_size, std::getenv("QKV_AB_KV_OFFSET")), v(kv_size, std::getenv("QKV_AB_KV_OFFSET"));
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
@@ -1185,6 +1192,7 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   for (auto* x : {&k, &v})
     for (auto& e : *x) e = S(normal(rng));  // rounded to the storage type once
   const char* b_offset = std::getenv("QKV_AB_B_KV_OFFSET");
+  if (b_offset != nullptr && *b_offset == '\0') b_offset = nullptr;
   std::optional<PlacedArray<S>> k_copy, v_copy;
   if (b_offset != nullptr) {
     k_copy.emplace(k, b_offset);
@@ -1192,7 +1200,8 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   }
   const PlacedArray<S>& k_of_b = b_offset != nullptr ? *k_copy : k;
   const PlacedArray<S>& v_of_b = b_offset != nullptr ? *v_copy : v;
-  std::printf("K and V %d bytes past a 64-byte boundary for A, %d for B\n", k.offset(), k_of_b.offset());
+  std::printf("K and V %d and %d bytes past a 64-byte boundary for A, %d and %d for B\n", k.offset(), v.offset(),
+              k_of_b.offset(), v_of_b.offset());
 
   set_threads(1);
   SideA::Options options_a;
