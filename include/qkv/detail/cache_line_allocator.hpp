@@ -7,11 +7,11 @@
 namespace qkv {
 namespace detail {
 
-/// Allocates T on 64-byte boundaries (aligned operator new): `std::vector<T, CacheLineAllocator<T>>` is a vector
-/// whose rows of a multiple of 64 bytes each start a cache line, as Eigen's own storage does with AVX-512 and
-/// PyTorch's CPU allocator does always. glibc's malloc gives large blocks 16 bytes past a page, so each 64-byte row of
-/// such a std::vector straddles two lines and every 512-bit load of it splits: token-major float decode from L3 took
-/// about 1.1 × the time (Zen 4, one thread; from DRAM, and head-major, no difference was measured; bench/README.md,
+/// Allocates T on 64-byte boundaries (aligned operator new): `std::vector<T, CacheLineAllocator<T>>` is a vector whose
+/// rows of a multiple of 64 bytes each start a cache line, as Eigen's own storage does with AVX-512 and PyTorch's CPU
+/// allocator does always. glibc's malloc gives large blocks 16 bytes past a page, so each 64-byte row of such a
+/// std::vector straddles two lines and every 512-bit load of it splits: token-major float decode from L3 took about
+/// 1.1 × the time (Zen 4, AVX-512, one thread; from DRAM, and head-major, no consistent difference; bench/README.md,
 /// "2026-12-06, thirtieth session"). Stateless: any two compare equal. Throws std::bad_alloc as operator new does.
 template <class T>
 struct CacheLineAllocator {
