@@ -100,10 +100,10 @@ void with_storage(std::int64_t storage, F&& f) {
 }
 
 /// A vector whose storage starts a 64-byte cache line, as a PyTorch tensor's always does and an Eigen matrix's does
-/// with AVX-512 flags: decode's K and V and the read loop's bytes (prefill packs K and V, and its inputs stay in
-/// plain vectors). A plain std::vector of that size starts 16 bytes past a page (glibc), where every 512-bit load of a
-/// 512-byte row straddles two lines; from L3 that cost token-major float decode about a tenth of its speed on Zen 4
-/// (bench/README.md, "2026-12-06, thirtieth session").
+/// with AVX-512 flags: decode's K and V and the read loop's bytes (read from there and 16 bytes on; prefill packs K
+/// and V, and its inputs stay in plain vectors). A plain std::vector of that size starts 16 bytes past a page (glibc),
+/// where every 512-bit load of a 512-byte row straddles two lines; from L3 that cost token-major float decode about a
+/// tenth of its speed on Zen 4 (bench/README.md, "2026-12-06, thirtieth session").
 template <class T>
 using LineVector = std::vector<T, qkv::detail::CacheLineAllocator<T>>;
 
@@ -430,12 +430,18 @@ void BM_FusedDecode(benchmark::State& state) {
   set_threads(1);
 }
 
-// A plain read loop over the bytes decode reads (K and V of the same size): the bandwidth there. Args {Skv, threads}.
+// A plain read loop over the bytes decode reads (K and V of the same size): the bandwidth there. Args {Skv, threads,
+// offset}: the bytes start `offset` bytes past a cache line. On Zen 4 the loop read about a tenth faster from DRAM with
+// its 512-bit loads straddling lines (offset 16) than on lines (offset 0), where decode's speed did not move with the
+// placement (bench/README.md, "2026-12-06, thirty-first session"): scripts/plot_bench.py takes the faster placement
+// as the memory's speed.
 void BM_ReadLoop(benchmark::State& state) {
   const Index Skv = state.range(0), Hkv = 8, D = 128;
   const int threads = static_cast<int>(state.range(1));
+  const auto offset = static_cast<std::size_t>(state.range(2)) / sizeof(float);
   const std::size_t n = std::size_t(2 * Hkv * Skv * D);
-  const auto data = stored_as<float, LineVector<float>>(random_vector(n, 4));
+  const auto storage = stored_as<float, LineVector<float>>(random_vector(n + 16, 4));
+  const float* const data = storage.data() + offset;
   using Tag = qkv::simd::BestTag;
   constexpr int L = Tag::kLanes;
   const auto read = [&] {
@@ -455,10 +461,10 @@ void BM_ReadLoop(benchmark::State& state) {
           thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / (4 * L) * (4 * L);
       auto a0 = qkv::simd::zero(Tag()), a1 = a0, a2 = a0, a3 = a0;
       for (std::size_t e = begin; e < end; e += 4 * L) {
-        a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data.data() + e));
-        a1 = qkv::simd::add(a1, qkv::simd::load(Tag(), data.data() + e + L));
-        a2 = qkv::simd::add(a2, qkv::simd::load(Tag(), data.data() + e + 2 * L));
-        a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data.data() + e + 3 * L));
+        a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data + e));
+        a1 = qkv::simd::add(a1, qkv::simd::load(Tag(), data + e + L));
+        a2 = qkv::simd::add(a2, qkv::simd::load(Tag(), data + e + 2 * L));
+        a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data + e + 3 * L));
       }
       total += qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
     }
@@ -528,8 +534,8 @@ BENCHMARK(BM_FusedDecode)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_ReadLoop)
-    ->ArgsProduct({{2048, 32768}, {1, 2}})
-    ->ArgNames({"Skv", "threads"})
+    ->ArgsProduct({{2048, 32768}, {1, 2}, {0, 16}})
+    ->ArgNames({"Skv", "threads", "offset"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 

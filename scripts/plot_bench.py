@@ -108,7 +108,7 @@ STORAGE = {0: "float", 1: "f16", 2: "bf16"}
 
 def decode_roofline(rows):
     """Each decode row against its roofline: the larger of its share of the read loop's rate (bytes per second,
-    same Skv and threads) and its share of the FMA loop's rate (one thread's, times the threads). Decode does 2·(D + Dv) FLOPs per
+    same Skv and threads, the faster of its placements) and its share of the FMA loop's rate (one thread's, times the threads). Decode does 2·(D + Dv) FLOPs per
     (query head, key) over D + Dv stored elements per (kv head, key): G / 2 FLOPs per byte of float K and V at
     G = Hq / Hkv, G per byte of 16-bit ones; where the FMA loop's rate is below that many times the read loop's (from
     L3 on a core whose FMAs are 256 bits wide, or whose read from L3 is fast), the arithmetic, not the read, bounds it.
@@ -117,11 +117,20 @@ def decode_roofline(rows):
     decode = pick(rows, "FusedDecode")
     if not decode:
         return
-    print("\nDecode against its roofline (Sq = 1, Hq = 32, Hkv = 8, D = 128; shares of the same run's loops):")
+    reads = pick(rows, "ReadLoop")
+    if reads:
+        # bench_attention reads the bytes on cache lines (offset 0) and 16 bytes past them: the faster is the
+        # memory's speed (on Zen 4 the straddling loads read about a tenth faster from DRAM).
+        print("\nRead loop (GB/s) by placement, bytes past a cache line:")
+        for Skv, threads in sorted({(r["Skv"], r["threads"]) for r in reads}):
+            by = sorted((r.get("offset", 0), r["GBps"]) for r in pick(rows, "ReadLoop", Skv=Skv, threads=threads))
+            print(f"  Skv {Skv:<6d} threads {threads}: " + ", ".join(f"offset {o}: {g:.1f}" for o, g in by))
+    print("\nDecode against its roofline (Sq = 1, Hq = 32, Hkv = 8, D = 128; shares of the same run's loops, the read")
+    print("loop's faster placement):")
     print("  layout storage Skv    threads  GB/s   of read loop  GFLOP/s  of FMA loop  of roofline  bound")
     for r in sorted(decode, key=lambda r: (r.get("bshd", 0), r.get("storage", 0), r["Skv"], r["threads"])):
         read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
-        of_read = r["GBps"] / read[0]["GBps"] if read else float("nan")
+        of_read = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
         of_fma = r["GFLOPS"] / (peak[0]["GFLOPS"] * r["threads"]) if peak else float("nan")
         # The bound is the loop that would take longer over this row's bytes and FLOPs.
         bound = "FMA" if of_fma > of_read else "read" if of_read == of_read else "?"
