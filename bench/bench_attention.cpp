@@ -431,17 +431,21 @@ void BM_FusedDecode(benchmark::State& state) {
 }
 
 // A plain read loop over the bytes decode reads (K and V of the same size): the bandwidth there. Args {Skv, threads,
-// offset}: the bytes start `offset` bytes past a cache line. On Zen 4 the loop read about a tenth faster from DRAM with
-// its 512-bit loads straddling lines (offset 16) than on lines (offset 0), where decode's speed did not move with the
-// placement (bench/README.md, "2026-12-06, thirty-first session"): scripts/plot_bench.py takes the faster placement
-// as the memory's speed.
+// offset}: the bytes start `offset` bytes past a cache line (a multiple of a float's size, below 64). On one Zen 4
+// thread the loop read about a tenth faster from DRAM with its 512-bit loads straddling lines (offset 16) than on lines
+// (offset 0), where decode's speed did not move with the placement (bench/README.md, "2026-12-06, thirty-first
+// session"): scripts/plot_bench.py takes the faster placement as the memory's speed.
 void BM_ReadLoop(benchmark::State& state) {
   const Index Skv = state.range(0), Hkv = 8, D = 128;
   const int threads = static_cast<int>(state.range(1));
-  const auto offset = static_cast<std::size_t>(state.range(2)) / sizeof(float);
+  const auto offset_bytes = static_cast<std::size_t>(state.range(2));
+  if (offset_bytes % sizeof(float) != 0 || offset_bytes >= 64) {
+    state.SkipWithError("offset: a multiple of sizeof(float) below 64");
+    return;
+  }
   const std::size_t n = std::size_t(2 * Hkv * Skv * D);
-  const auto storage = stored_as<float, LineVector<float>>(random_vector(n + 16, 4));
-  const float* const data = storage.data() + offset;
+  const auto storage = stored_as<float, LineVector<float>>(random_vector(n + 64 / sizeof(float), 4));
+  const float* const data = storage.data() + offset_bytes / sizeof(float);
   using Tag = qkv::simd::BestTag;
   constexpr int L = Tag::kLanes;
   const auto read = [&] {

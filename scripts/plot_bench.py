@@ -1,10 +1,17 @@
 #!/usr/bin/python3
-"""Reads bench_attention's JSON output, prints the complexity slopes, the memory table and each decode row against
-its roofline (decode_roofline), and plots GFLOPS against T.
+"""Reads bench_attention's JSON output, prints the complexity slopes, the memory table, the read loop at each of its
+placements and each decode row against its roofline (decode_roofline), and plots GFLOPS against T.
 
     OMP_WAIT_POLICY=passive ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
         --benchmark_out=bench.json --benchmark_out_format=json
     /usr/bin/python3 scripts/plot_bench.py bench.json --out bench.png      # or bench.svg; --no-plot: text only
+
+Two-thread decode rows come from a run of their own with an active team (a passive one slows them; bench/README.md):
+
+    OMP_WAIT_POLICY=active ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
+        --benchmark_filter='BM_FmaPeak|BM_ReadLoop/.*threads:2|BM_FusedDecode/.*threads:2' \\
+        --benchmark_out=bench2.json --benchmark_out_format=json
+    /usr/bin/python3 scripts/plot_bench.py bench2.json --no-plot
 
 Slopes (seed 000, 定理 2.4.3: O(T²·d) time, and the fused kernel's O(T·D) memory against the naive O(T²)) are
 least-squares fits of log(real time) or log(MiB) against log(T) or log(D) over the one-thread, non-causal rows
@@ -108,10 +115,11 @@ STORAGE = {0: "float", 1: "f16", 2: "bf16"}
 
 def decode_roofline(rows):
     """Each decode row against its roofline: the larger of its share of the read loop's rate (bytes per second,
-    same Skv and threads, the faster of its placements) and its share of the FMA loop's rate (one thread's, times the threads). Decode does 2·(D + Dv) FLOPs per
-    (query head, key) over D + Dv stored elements per (kv head, key): G / 2 FLOPs per byte of float K and V at
-    G = Hq / Hkv, G per byte of 16-bit ones; where the FMA loop's rate is below that many times the read loop's (from
-    L3 on a core whose FMAs are 256 bits wide, or whose read from L3 is fast), the arithmetic, not the read, bounds it.
+    same Skv and threads, the faster of its placements) and its share of the FMA loop's rate (one thread's, times the
+    threads). Decode does 2·(D + Dv) FLOPs per (query head, key) over D + Dv stored elements per (kv head, key): G / 2
+    FLOPs per byte of float K and V at G = Hq / Hkv, G per byte of 16-bit ones; where the FMA loop's rate is below that
+    many times the read loop's (from L3 on a core whose FMAs are 256 bits wide, or whose read from L3 is fast), the
+    arithmetic, not the read, bounds it.
     """
     peak = pick(rows, "FmaPeak")
     decode = pick(rows, "FusedDecode")
@@ -182,7 +190,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", help="bench_attention --benchmark_out=<file> --benchmark_out_format=json")
     parser.add_argument("--out", default="bench.png", help="the plot: .png or .svg")
-    parser.add_argument("--no-plot", action="store_true", help="print the slopes and the memory table only")
+    parser.add_argument("--no-plot", action="store_true", help="print the tables only (slopes, memory, read loop, decode)")
     args = parser.parse_args()
     context, rows = parse(args.json)
     report(rows)
