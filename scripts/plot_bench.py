@@ -128,7 +128,7 @@ def decode_roofline(rows):
     reads = pick(rows, "ReadLoop")
     if reads:
         # bench_attention reads the bytes on cache lines (offset 0) and 16 bytes past them: the faster is the
-        # memory's speed (on Zen 4 the straddling loads read about a tenth faster from DRAM).
+        # memory's speed (on one Zen 4 thread the straddling loads mostly read about a tenth faster from DRAM).
         print("\nRead loop (GB/s) by placement, bytes past a cache line:")
         for Skv, threads in sorted({(r["Skv"], r["threads"]) for r in reads}):
             # Runs from before the offset argument read one placement, unrecorded: 16 bytes off (glibc's) until the
@@ -190,7 +190,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", help="bench_attention --benchmark_out=<file> --benchmark_out_format=json")
     parser.add_argument("--out", default="bench.png", help="the plot: .png or .svg")
-    parser.add_argument("--no-plot", action="store_true", help="print the tables only (slopes, memory, read loop, decode)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="print the tables only (slopes, memory, read loop, decode)")
     args = parser.parse_args()
     context, rows = parse(args.json)
     report(rows)
