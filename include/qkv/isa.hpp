@@ -205,7 +205,8 @@ inline PrefetchRequest parse_prefetch_level(const char* text) noexcept {
 /// trip to DRAM, so that the stream waits on them (a loop of Q·Kᵀ steps read at 9.3–10.7 GB/s with `prefetcht0` at any
 /// distance, 10.8 without, 21.8 with `prefetcht1` 32 rows ahead). On Zen 5 (family 0x1A) every head-major prefetch
 /// into L2 took 1.20 (L3) and 1.26 (DRAM) of the time, and a token-major task's cursor lines alone into L2 1.01–1.10
-/// from DRAM, so Zen 5 keeps L1; on Zen 3 (family 0x19 without AVX-512) token-major decode from DRAM took 1.06 (float)
+/// from DRAM; the whole L2 copy as it is now, 1.00–1.13 from DRAM (bench/README.md, "2026-12-06, thirty-second
+/// session"), so Zen 5 keeps L1; on Zen 3 (family 0x19 without AVX-512) token-major decode from DRAM took 1.06 (float)
 /// and 0.97 (f16) with L2, and it keeps L1; Intel CPUs were not measured and keep L1, what every CPU ran before
 /// (bench/README.md, "2026-12-05, twenty-sixth session"). `why_not`, for a pin that names no level, is set to a reason
 /// for the caller to report. Pure.
