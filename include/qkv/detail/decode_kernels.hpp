@@ -242,6 +242,20 @@ inline constexpr Index kPvKeysPerStep = Tag::kLanes >= 16 ? 4 : 2;
 template <class Tag, class S, int kLocality>
 inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) && kLocality != 2 ? 2 : kPvKeysPerStep<Tag>;
 
+/// Whether a head-major decoding task (one kv head of at most 4 query rows: one row group) is paced as a grouped task
+/// is, by a PrefetchCursor over its next sub-block (FusedTiles::kDecodePacedBytes) in the order it reads rows (the rest
+/// of the pass, then the block's V, then the next block's K), instead of its calls over whole blocks prefetching a few
+/// rows ahead inside the call: for float K and V on a 16-lane tag in the copy whose prefetches go into L1 (kLocality =
+/// 3). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, Skv = 32768, one thread, paired against the
+/// calls over whole blocks): from DRAM 0.809–0.859 of the time with clang++ (16 of 16 rounds in four runs; D = 64
+/// 0.953; Hq = 8 0.849 in a first form), 0.821 with g++; from L3 0.93–1.34 (four runs), where the cursor's lines cost
+/// as they do a grouped task's, and DRAM, the long-context case, decides (as for kSpreadAheadPaced). 16-bit K and V
+/// took 1.02 (bf16) and 1.07 (f16) of the time from DRAM and are not paced; at Hq = 64 (8 rows, two row groups of 4
+/// instead of one call of 8) 0.979; the L2 copy (Zen 4) was not measured (bench/README.md, "2026-12-06,
+/// thirty-second session").
+template <class Tag, class S, int kLocality>
+inline constexpr bool kHeadMajorPaced = Tag::kLanes >= 16 && std::is_same_v<S, float>&& kLocality == 3;
+
 /// Query rows per call of a head-major decoding task (one kv head; fused_attention.hpp, run_decode_task) while that
 /// many rows are left, the rest in calls of at most 4: 8 on a 32-register tag (qk_in_place with 8 × 2 accumulators,
 /// NK = 2; pv_in_place with 8 × 3 weights, NV = kPvKeysPerStep8), so that at G = 8 (Hq = 64, Hkv = 8) each row of K

@@ -312,7 +312,9 @@ class FusedAttention {
   /// so that K and V stream as contiguous memory, and prefetches the whole rows of the next sub-block in the order it
   /// reads them (a block's K, that block's V, the next block's K) from inside the micro-kernels, a few lines per step
   /// (PrefetchCursor), paced over the sub-block's arithmetic; its P·V calls also name the rows their reading goes on
-  /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). Every
+  /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). A head-major
+  /// task of one row group (at most 4 rows) is paced the same way over sub-blocks of kDecodePacedBytes where
+  /// kHeadMajorPaced holds (float K and V, 16 lanes, the L1 copy: from DRAM 0.76–0.82 of the time on Zen 5). Every
   /// software prefetch of the task goes to the levels kLocality names (3: every level, 2: L2 and beyond;
   /// simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp; the scalar kernel: L1 only,
   /// FusedTiles::kDecodePrefetchL2), but for those rows ahead, which go into L1 (kSpreadLocality); prefetches change
@@ -324,12 +326,17 @@ class FusedAttention {
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, GR = G_ * rows, M = GR * t.n_kv;
     const bool grouped = t.n_kv > 1;
+    // A task paced by a PrefetchCursor over sub-blocks: a grouped one, or a head-major one of one row group where
+    // kHeadMajorPaced holds. Either takes its rows in groups of 4 (no cursor for 8-row calls).
+    const bool paced = grouped || (kHeadMajorPaced<Tag, S, kLocality> && GR <= 4);
     // A grouped task's block holds the same bytes of K as one head's block (kDecodeKeys / n_kv whole rows), so that
     // its scores (M × block) stay as small as one head's (kDecodeRows × kDecodeKeys at most).
     const Index block =
         grouped ? std::max<Index>(kPanel, Tiles::kDecodeKeys / t.n_kv / kPanel * kPanel) : Tiles::kDecodeKeys;
     const Index ldS = block, ldv = v_.stride(2), ldk = k_.stride(2);
-    const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : block;
+    const Index paced_keys =
+        std::max<Index>(4, Tiles::kDecodePacedBytes / static_cast<Index>(sizeof(S)) / std::max<Index>(D, 1) / 4 * 4);
+    const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : paced ? paced_keys : block;
     float* q_block = s.q_block.data();
     float* acc_s = s.acc_s.data();
     float* acc_o = s.acc_o.data();
@@ -343,8 +350,8 @@ class FusedAttention {
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
     constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S, kLocality>);
-    const Index row_groups = (GR + 3) / 4;  // a grouped task's micro-kernel calls per kv head and sub-block (4 rows)
-    // What a grouped task prefetches while a sub-block's `steps` micro-kernel steps run: the next sub-block in the
+    const Index row_groups = (GR + 3) / 4;  // a paced task's micro-kernel calls per kv head and sub-block (4 rows)
+    // What a paced task prefetches while a sub-block's `steps` micro-kernel steps run: the next sub-block in the
     // order the task reads rows, `end` being where the running sub-block of a pass over the block (n keys from j0)
     // ends. That is the rest of the pass; after a block's K, the first rows of its V; after its V (or its K, where
     // there is no V), the first rows of the next block's K. So each pass's first rows are on their way before it
@@ -372,23 +379,23 @@ class FusedAttention {
       const S* k_tile = &k_(vb, t.h_kv, kv_row0 + j0, 0);
       for (Index jb = 0; jb < n; jb += sub_keys) {
         const Index keys = std::min(sub_keys, n - jb);
-        // A grouped task's prefetches of the next sub-block, paced over this sub-block's micro-kernel steps.
+        // A paced task's prefetches of the next sub-block, paced over this sub-block's micro-kernel steps.
         PrefetchCursor<S> k_ahead;
-        if (grouped) {
+        if (paced) {
           k_ahead = next_sub_block(false, j0, n, jb + keys, t.n_kv * row_groups * ((keys + kQkStep - 1) / kQkStep));
         }
         for (Index hk = 0; hk < t.n_kv; ++hk) {
           const S* k_head = k_tile + hk * k_.stride(1) + jb * ldk;
           const auto qk_rows = [&](auto rows_constant, Index r0) {
             constexpr int R = decltype(rows_constant)::value;
-            if constexpr (R > 4) {  // one kv head (not grouped) only
+            if constexpr (R > 4) {  // one kv head, not paced, only
               qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS);
             } else {
               qk_in_place<Tag, R, kLocality>(q_block + r0 * D, D, k_head, ldk, keys, D, acc_s + r0 * ldS + jb, ldS,
-                                             grouped ? &k_ahead : nullptr);
+                                             paced ? &k_ahead : nullptr);
             }
           };
-          if (grouped) {
+          if (paced) {
             for_each_row_group<4>(hk * GR, (hk + 1) * GR, qk_rows);
           } else {
             for_each_row_group<kQkDecodeRows<Tag, S>>(hk * GR, (hk + 1) * GR, qk_rows);
@@ -414,16 +421,16 @@ class FusedAttention {
         for (Index jb = 0; jb < n; jb += sub_keys) {
           const Index keys = std::min(sub_keys, n - jb);
           PrefetchCursor<S> v_ahead;
-          if (grouped) {
+          if (paced) {
             v_ahead = next_sub_block(true, j0, n, jb + keys,
                                      t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
-            // Where a grouped task's reading goes on after this head's rows (the next head's, the next sub-block's or
+            // Where a paced task's reading goes on after this head's rows (the next head's, the next sub-block's or
             // the next block's first K rows): its P·V steps prefetch those rows as they near the call's end.
             NextRows<S> after_head;
-            if (grouped && kSpreadAheadPaced<Tag, S, 128>) {  // the steps read it only then (any compiled-in Dv alike)
+            if (paced && kSpreadAheadPaced<Tag, S, 128>) {  // the steps read it only then (any compiled-in Dv alike)
               const Index next_block = j0 + block,
                           next_keys = std::min(sub_keys, std::min(block, range.end - next_block));
               if (hk + 1 < t.n_kv) {
@@ -436,10 +443,10 @@ class FusedAttention {
             }
             const auto pv_rows = [&](auto rows_constant, Index r0) {
               constexpr int R = decltype(rows_constant)::value;
-              if constexpr (R > 4) {  // one kv head (not grouped) only
+              if constexpr (R > 4) {  // one kv head, not paced, only
                 pv_in_place<Tag, R, S, kPvKeysPerStep8, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
                                                                    acc_o + r0 * Dv, Dv, Dv);
-              } else if (grouped) {
+              } else if (paced) {
                 // A row group before the head's last reads the same rows next.
                 const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys} : after_head;
                 pv_in_place<Tag, R, S, kPvGroupedStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
@@ -449,7 +456,7 @@ class FusedAttention {
                     acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv, nullptr);
               }
             };
-            if (grouped) {
+            if (paced) {
               for_each_row_group<4>(hk * GR, (hk + 1) * GR, pv_rows);
             } else {
               for_each_row_group<kPvDecodeRows<Tag>>(hk * GR, (hk + 1) * GR, pv_rows);
@@ -462,7 +469,7 @@ class FusedAttention {
           pv_skip_zero_weights(acc_s + hk * GR * ldS, ldS, v_tile + hk * v_.stride(1), ldv, n, acc_o + hk * GR * Dv, Dv,
                                Dv, GR);
         }
-        if (grouped) next_sub_block(true, j0, n, n, 1).template flush<kLocality>();  // the next block's first K rows
+        if (paced) next_sub_block(true, j0, n, n, 1).template flush<kLocality>();  // the next block's first K rows
       }
     }
     finish_rows(t, softmax);
