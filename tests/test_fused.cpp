@@ -424,7 +424,9 @@ TEST(Fused, DecodeAtTheUnrolledHeadDims) {
   // and kPvDecodeRows), against the float64 reference. Skv = 1027 ends with 3 keys after the whole steps (a pair and
   // one key); 2053 puts 5 keys in a second split-K chunk; each runs with and without key_lengths (which end the keys
   // mid-step). Token-major K and V with one kv head per task take the same kernels: Hkv = 1 here, and Hkv = 7 in
-  // DecodeGroupedAtTheUnrolledHeadDims.
+  // DecodeGroupedAtTheUnrolledHeadDims. In the L1 copy, float K and V on 16 lanes (AVX-512, the emulated tag), 1 to 4
+  // rows go by sub-blocks of FusedTiles::kDecodePacedBytes with a PrefetchCursor (kHeadMajorPaced): many per block at
+  // every head_dim here. The sanitize stage of .ci/run runs this test pinned to the L1 copy as well.
   int trial = 0;
   for (const auto& [D, Dv] : kUnrolledDimPairs) {
     for (const Index group : {1, 2, 3, 4, 8, 12}) {
@@ -1169,6 +1171,72 @@ TEST(Fused, EightRowDecodingCallsGiveTheBitsOfTwoCallsOfFour) {
   check_eight_rows_as_two_calls_of_four<float>();
   check_eight_rows_as_two_calls_of_four<Eigen::half>();
   check_eight_rows_as_two_calls_of_four<Eigen::bfloat16>();
+}
+
+// A paced head-major decoding task (kHeadMajorPaced: float K and V, 16 lanes, the L1 copy; fused_attention.hpp,
+// run_decode_task) calls the micro-kernels over sub-blocks of keys (FusedTiles::kDecodePacedBytes, a multiple of 4
+// keys) with a PrefetchCursor, where the calls it replaces took a whole 1024-key block without one: on the emulated
+// 16-lane tag, the sub-block calls (P·V with four keys per step, kPvKeysPerStep, as the paced head-major task takes,
+// and with two, kPvGroupedKeysPerStep, as a grouped task takes in that copy) against the one call, byte for byte, for 1
+// to 4 rows, at key counts around the steps and a block, head_dims with tails (72, 81) and the unrolled 64 and 128,
+// rows `ld` apart. The cursors name the rows after each sub-block, as the task's do.
+TEST(Fused, PacedSubBlockDecodingCallsGiveTheBitsOfOneBlockCall) {
+  namespace pass = qkv_test::emulated_pass;
+  using Tag = qkv_test::Emulated16Tag;
+  static_assert(pass::kHeadMajorPaced<Tag, float, 3> && !pass::kHeadMajorPaced<Tag, float, 2> &&
+                    !pass::kHeadMajorPaced<Tag, Eigen::half, 3>,
+                "paced: float on 16 lanes in the L1 copy only");
+  constexpr int kGroupedStep = static_cast<int>(pass::kPvGroupedKeysPerStep<Tag, float, 3>);
+  static_assert(kGroupedStep == 2 && pass::kPvKeysPerStep<Tag> == 4, "the step sizes this test compares");
+  std::mt19937 rng(909);
+  std::normal_distribution<float> normal;
+  const std::vector<Index> key_counts =
+      reduced_grid() ? std::vector<Index>{1, 3, 5, 33, 1027}
+                     : std::vector<Index>{1, 2, 3, 4, 5, 31, 32, 33, 34, 35, 1021, 1022, 1023, 1024, 1025, 1027};
+  const std::vector<Index> head_dims =
+      reduced_grid() ? std::vector<Index>{81, 128} : std::vector<Index>{64, 72, 81, 128};
+  for (const Index D : head_dims) {
+    for (const Index keys : key_counts) {
+      for (const Index sub : {Index(4), Index(32)}) {
+        const Index ld = D + 5;
+        std::vector<float> q(static_cast<std::size_t>(4 * D)), p(static_cast<std::size_t>(4 * keys)),
+            o_init(static_cast<std::size_t>(4 * D));
+        std::vector<float> k(static_cast<std::size_t>(keys * ld)), v(k.size());
+        for (auto* x : {&q, &p, &o_init, &k, &v})
+          for (auto& e : *x) e = normal(rng);
+        const auto check_rows = [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value;
+          std::vector<float> s_one(static_cast<std::size_t>(R * keys), -1.0f), s_sub(s_one), o_one(o_init),
+              o_sub(o_init), o_sub2(o_init);
+          pass::qk_in_place<Tag, R>(q.data(), D, k.data(), ld, keys, D, s_one.data(), keys);
+          pass::pv_in_place<Tag, R, float>(p.data(), keys, v.data(), ld, keys, o_one.data(), D, D);
+          for (Index jb = 0; jb < keys; jb += sub) {
+            const Index n = std::min(sub, keys - jb), after = std::min(sub, keys - jb - n);
+            pass::PrefetchCursor<float> k_ahead(k.data() + (jb + n) * ld, ld, after, D, (n + 3) / 4);
+            pass::qk_in_place<Tag, R>(q.data(), D, k.data() + jb * ld, ld, n, D, s_sub.data() + jb, keys, &k_ahead);
+            pass::PrefetchCursor<float> v_ahead(v.data() + (jb + n) * ld, ld, after, D, (n + 1) / 2);
+            const pass::NextRows<float> next{after > 0 ? v.data() + (jb + n) * ld : nullptr, after};
+            pass::pv_in_place<Tag, R, float, static_cast<int>(pass::kPvKeysPerStep<Tag>)>(
+                p.data() + jb, keys, v.data() + jb * ld, ld, n, o_sub.data(), D, D, &v_ahead, next);
+            pass::PrefetchCursor<float> v_ahead2(v.data() + (jb + n) * ld, ld, after, D, (n + 1) / 2);
+            pass::pv_in_place<Tag, R, float, kGroupedStep>(p.data() + jb, keys, v.data() + jb * ld, ld, n,
+                                                           o_sub2.data(), D, D, &v_ahead2, next);
+          }
+          EXPECT_EQ(std::memcmp(s_one.data(), s_sub.data(), s_one.size() * sizeof(float)), 0)
+              << "Q·Kᵀ, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+          EXPECT_EQ(std::memcmp(o_one.data(), o_sub.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
+              << "P·V, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+          EXPECT_EQ(std::memcmp(o_one.data(), o_sub2.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
+              << "P·V by pairs, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+        };
+        check_rows(std::integral_constant<int, 1>());
+        check_rows(std::integral_constant<int, 2>());
+        check_rows(std::integral_constant<int, 3>());
+        check_rows(std::integral_constant<int, 4>());
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
+  }
 }
 
 }  // namespace

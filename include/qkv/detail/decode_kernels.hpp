@@ -3,12 +3,13 @@
 // Decoding (few query rows) reads the whole cache once per token, so it streams K and V where they lie instead of
 // packing them (a packing pass would double the traffic): qk_in_place over a block's keys, then pv_in_place over its
 // values, each prefetching a few rows ahead (FusedTiles::kDecodePrefetchKeys, or kSpreadKeys) inside its own key
-// range or the rows read next; a task over token-major K and V also hands them a PrefetchCursor, whose whole rows ahead
-// they issue a share per step. Every prefetch goes to the cache level the kernels' kLocality names (simd::prefetch:
-// 3 into L1, 2 into L2), which run_decode_task takes from decode_prefetch_level() (isa.hpp), but for a paced P·V
-// step's rows a few keys ahead, which go into L1 (kSpreadLocality). Per key and kv head
-// (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and 128 FMAs. The micro-kernels are also compiled for
-// D (Dv) = 64 and 128 with their column loops unrolled (with_head_dim).
+// range or the rows read next; a paced task (several kv heads of token-major K and V, or a head-major task of at most 4
+// rows where kHeadMajorPaced holds) also hands them a PrefetchCursor, whose whole rows ahead they issue a share per
+// step. Every prefetch goes to the cache level the kernels' kLocality names (simd::prefetch: 3 into L1, 2 into L2),
+// which run_decode_task takes from decode_prefetch_level() (isa.hpp), but for a paced P·V step's rows a few keys ahead,
+// which go into L1 (kSpreadLocality). Per key and kv head (D = Dv = 128, G = 4, AVX2): 32 vector loads of K and V and
+// 128 FMAs. The micro-kernels are also compiled for D (Dv) = 64 and 128 with their column loops unrolled
+// (with_head_dim).
 //
 // Compiled once per kernel ISA, inside that ISA's target region: detail/dispatch.hpp includes it in each pass (the
 // guard below, Highway's toggle, lets each pass in once).
@@ -153,19 +154,20 @@ QKV_ALWAYS_INLINE inline void for_each_column(Index full, F&& column) {
   }
 }
 
-/// Whether a head-major decoding step (no PrefetchCursor) prefetches its rows ahead one line per vector column, between
-/// the FMAs of the unrolled columns (the line of each row ahead that starts at that column, the rows chosen once per
-/// step, clamped to the call's last whole step or, in P·V, taken from the rows read next: spread_rows; no branch among
-/// the FMAs), instead of prefetch_row's burst of whole rows before the step: where the head_dim is compiled in
-/// (kDim > 0) and a vector is exactly a cache line (float on a 16-lane tag), so that every line of a row has its
-/// column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, one thread, paired
-/// against the burst, both 16 rows ahead): from DRAM 0.90–0.95 of the time with clang++ (14–16 of 16 rounds faster),
-/// from L3 0.92–0.97 (31–32 of 60: within the noise). g++ 12 schedules about half of a step's 32 prefetches back to its
-/// start and keeps their addresses on the stack: from DRAM 0.99–1.06 of the time (from L3 0.95–0.96), and DRAM decides,
-/// so g++ keeps the burst. Where a line spans two columns (16-bit K and V, or AVX2), the lines spread over the first
-/// half of the columns took 1.03–1.10 of the time (f16 with both compilers, AVX2 with clang++), so those keep the burst
-/// too (bench/README.md, "2026-12-05, twenty-fourth session"). The spread rows are kSpreadKeys ahead (FusedTiles'
-/// kDecodeSpreadKeys, or kDecodeSpreadKeysL2 into L2), not kDecodePrefetchKeys.
+/// Whether a decoding step without a PrefetchCursor (a head-major task's, where kHeadMajorPaced does not pace it)
+/// prefetches its rows ahead one line per vector column, between the FMAs of the unrolled columns (the line of each row
+/// ahead that starts at that column, the rows chosen once per step, clamped to the call's last whole step or, in P·V,
+/// taken from the rows read next: spread_rows; no branch among the FMAs), instead of prefetch_row's burst of whole rows
+/// before the step: where the head_dim is compiled in (kDim > 0) and a vector is exactly a cache line (float on a
+/// 16-lane tag), so that every line of a row has its column; and with clang++ only. Measured on Zen 5 (Sq = 1, Hq = 32,
+/// Hkv = 8, D = 128, BHSD float, one thread, paired against the burst, both 16 rows ahead): from DRAM 0.90–0.95 of the
+/// time with clang++ (14–16 of 16 rounds faster), from L3 0.92–0.97 (31–32 of 60: within the noise). g++ 12 schedules
+/// about half of a step's 32 prefetches back to its start and keeps their addresses on the stack: from DRAM 0.99–1.06
+/// of the time (from L3 0.95–0.96), and DRAM decides, so g++ keeps the burst. Where a line spans two columns (16-bit K
+/// and V, or AVX2), the lines spread over the first half of the columns took 1.03–1.10 of the time (f16 with both
+/// compilers, AVX2 with clang++), so those keep the burst too (bench/README.md, "2026-12-05, twenty-fourth session").
+/// The spread rows are kSpreadKeys ahead (FusedTiles' kDecodeSpreadKeys, or kDecodeSpreadKeysL2 into L2), not
+/// kDecodePrefetchKeys.
 #if defined(__clang__)
 inline constexpr bool kSpreadAheadCompiler = true;
 #else
@@ -246,15 +248,15 @@ inline constexpr Index kPvGroupedKeysPerStep = sizeof(S) == sizeof(float) && kLo
 /// is, by a PrefetchCursor over its next sub-block (FusedTiles::kDecodePacedBytes) in the order it reads rows (the rest
 /// of the pass, then the block's V, then the next block's K), instead of its calls over whole blocks prefetching a few
 /// rows ahead inside the call: for float K and V on a 16-lane tag in the copy whose prefetches go into L1 (kLocality =
-/// 3). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, Skv = 32768, one thread, paired against the
-/// calls over whole blocks): from DRAM 0.809–0.859 of the time with clang++ (16 of 16 rounds in four runs; D = 64
-/// 0.953; Hq = 8 0.849 in a first form), 0.821 with g++; from L3 0.93–1.34 (four runs), where the cursor's lines cost
-/// as they do a grouped task's, and DRAM, the long-context case, decides (as for kSpreadAheadPaced). 16-bit K and V
-/// took 1.02 (bf16) and 1.07 (f16) of the time from DRAM and are not paced; at Hq = 64 (8 rows, two row groups of 4
-/// instead of one call of 8) 0.979; the L2 copy (Zen 4) was not measured (bench/README.md, "2026-12-06,
-/// thirty-second session").
+/// 3). Its P·V keeps kPvKeysPerStep (four keys per step; a grouped task's two in that copy are for rows 4 KiB apart).
+/// Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, Skv = 32768, one thread, clang++, paired against
+/// the calls over whole blocks): from DRAM 0.782 and 0.790 of the time (16 of 16 rounds each), from L3 0.860 and 0.978,
+/// D = 64 0.932; with two keys per P·V step instead, 1.14–1.15 × that from DRAM and 1.11–1.12 from L3; g++, in a first
+/// form (two keys per step), 0.821 from DRAM. 16-bit K and V took 1.02 (bf16) and 1.07 (f16) of the time from DRAM in
+/// that form and are not paced; at Hq = 64 (8 rows: two row groups of 4 instead of one call of 8) 0.979; the L2 copy
+/// (Zen 4) was not measured (bench/README.md, "2026-12-06, thirty-second session").
 template <class Tag, class S, int kLocality>
-inline constexpr bool kHeadMajorPaced = Tag::kLanes >= 16 && std::is_same_v<S, float>&& kLocality == 3;
+inline constexpr bool kHeadMajorPaced = Tag::kLanes >= 16 && kLocality == 3 && std::is_same_v<S, float>;
 
 /// Query rows per call of a head-major decoding task (one kv head; fused_attention.hpp, run_decode_task) while that
 /// many rows are left, the rest in calls of at most 4: 8 on a 32-register tag (qk_in_place with 8 × 2 accumulators,
@@ -274,8 +276,8 @@ inline constexpr int kPvDecodeRows = Tag::kLanes >= 16 ? 8 : 4;
 inline constexpr int kPvKeysPerStep8 = 3;
 
 /// qk_in_place's body, with the prefetch runs' bookkeeping compiled in only where there is a cursor (kPaced): a
-/// head-major task has none, and its loop then keeps its pointers in registers. kDim: D where with_head_dim compiles
-/// it in, else 0 (D read at run time).
+/// head-major task that is not paced (kHeadMajorPaced) has none, and its loop then keeps its pointers in registers.
+/// kDim: D where with_head_dim compiles it in, else 0 (D read at run time).
 template <class Tag, int R, bool kPaced, Index kDim, int kLocality, class S>
 inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index keys, Index d_runtime, float* s, Index lds,
                      PrefetchCursor<S>* ahead) noexcept {
@@ -448,7 +450,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
 }
 
 /// pv_in_place's body for head_dim kDim (0: Dv read at run time), with the prefetch runs' bookkeeping compiled in
-/// only where there is a cursor (kPaced): a head-major task has none.
+/// only where there is a cursor (kPaced): a head-major task that is not paced (kHeadMajorPaced) has none.
 template <class Tag, int R, class S, int NV, bool kPaced, Index kDim, int kLocality>
 inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index dv_runtime,
                     PrefetchCursor<S>* ahead, const NextRows<S>& next) noexcept {

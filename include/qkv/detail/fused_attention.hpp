@@ -314,12 +314,12 @@ class FusedAttention {
   /// (PrefetchCursor), paced over the sub-block's arithmetic; its P·V calls also name the rows their reading goes on
   /// with (NextRows), for the steps that prefetch a few rows ahead in reading order (kSpreadAheadPaced). A head-major
   /// task of one row group (at most 4 rows) is paced the same way over sub-blocks of kDecodePacedBytes where
-  /// kHeadMajorPaced holds (float K and V, 16 lanes, the L1 copy: from DRAM 0.76–0.82 of the time on Zen 5). Every
-  /// software prefetch of the task goes to the levels kLocality names (3: every level, 2: L2 and beyond;
-  /// simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp; the scalar kernel: L1 only,
-  /// FusedTiles::kDecodePrefetchL2), but for those rows ahead, which go into L1 (kSpreadLocality); prefetches change
-  /// no result. kLocality also sets a grouped task's P·V step for float V on 16-lane tags (kPvGroupedKeysPerStep: four
-  /// keys in the L2 copy, two in the L1 copy), which changes no result either.
+  /// kHeadMajorPaced holds (float K and V, 16 lanes, the L1 copy: from DRAM 0.78–0.79 of the time on Zen 5), its P·V
+  /// with kPvKeysPerStep. Every software prefetch of the task goes to the levels kLocality names (3: every level, 2: L2
+  /// and beyond; simd::prefetch), chosen per CPU at run time (decode_prefetch_level, isa.hpp; the scalar kernel: L1
+  /// only, FusedTiles::kDecodePrefetchL2), but for those rows ahead, which go into L1 (kSpreadLocality); prefetches
+  /// change no result. kLocality also sets a grouped task's P·V step for float V on 16-lane tags
+  /// (kPvGroupedKeysPerStep: four keys in the L2 copy, two in the L1 copy), which changes no result either.
   template <int kLocality>
   void run_decode_task(const FusedTask& t, FusedScratch& s) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
@@ -350,6 +350,8 @@ class FusedAttention {
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
     constexpr int kPvGroupedStep = static_cast<int>(kPvGroupedKeysPerStep<Tag, S, kLocality>);
+    constexpr int kPvHeadStep = static_cast<int>(kPvKeysPerStep<Tag>);
+    const Index pv_step = grouped ? kPvGroupedStep : kPvHeadStep;
     const Index row_groups = (GR + 3) / 4;  // a paced task's micro-kernel calls per kv head and sub-block (4 rows)
     // What a paced task prefetches while a sub-block's `steps` micro-kernel steps run: the next sub-block in the
     // order the task reads rows, `end` being where the running sub-block of a pass over the block (n keys from j0)
@@ -422,8 +424,7 @@ class FusedAttention {
           const Index keys = std::min(sub_keys, n - jb);
           PrefetchCursor<S> v_ahead;
           if (paced) {
-            v_ahead = next_sub_block(true, j0, n, jb + keys,
-                                     t.n_kv * row_groups * ((keys + kPvGroupedStep - 1) / kPvGroupedStep));
+            v_ahead = next_sub_block(true, j0, n, jb + keys, t.n_kv * row_groups * ((keys + pv_step - 1) / pv_step));
           }
           for (Index hk = 0; hk < t.n_kv; ++hk) {
             const S* v_head = v_tile + hk * v_.stride(1) + jb * ldv;
@@ -449,8 +450,13 @@ class FusedAttention {
               } else if (paced) {
                 // A row group before the head's last reads the same rows next.
                 const NextRows<S> next = r0 + 4 < (hk + 1) * GR ? NextRows<S>{v_head, keys} : after_head;
-                pv_in_place<Tag, R, S, kPvGroupedStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
-                                                                  acc_o + r0 * Dv, Dv, Dv, &v_ahead, next);
+                if (grouped) {
+                  pv_in_place<Tag, R, S, kPvGroupedStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
+                                                                    acc_o + r0 * Dv, Dv, Dv, &v_ahead, next);
+                } else {
+                  pv_in_place<Tag, R, S, kPvHeadStep, kLocality>(acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys,
+                                                                 acc_o + r0 * Dv, Dv, Dv, &v_ahead, next);
+                }
               } else {
                 pv_in_place<Tag, R, S, static_cast<int>(kPvKeysPerStep<Tag>), kLocality>(
                     acc_s + r0 * ldS + jb, ldS, v_head, ldv, keys, acc_o + r0 * Dv, Dv, Dv, nullptr);

@@ -74,13 +74,14 @@ struct FusedTiles {
   /// and f16 K/V, other sizes and look-aheads were slower or traded one storage type for the other (bench/README.md,
   /// "What holds token-major float decode").
   static constexpr Index kDecodeGroupKeys = 16;
-  /// Bytes of K (or V) per sub-block of a head-major decoding task that is paced like a grouped one (a PrefetchCursor
-  /// over the next sub-block in reading order, fused_attention.hpp's run_decode_task, where kHeadMajorPaced holds): 32
-  /// keys of D = 128 floats, 64 of D = 64. Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, Skv =
-  /// 32768 from DRAM, one thread, paired against calls over the whole block): 8 KiB took 0.777 of the time, 16 KiB
-  /// 0.757–0.821 (clang++ three runs, g++ 0.821), 32 KiB 1.026, 64 KiB 1.044, 128 KiB 1.048: what the cursor fetches
-  /// into L1 a sub-block ahead must fit there beside the sub-block being read (bench/README.md, "2026-12-06,
-  /// thirty-second session").
+  /// Bytes of K rows (D elements each) per sub-block of a head-major decoding task, whose V sub-blocks take as many
+  /// keys, that is paced like a grouped one (a PrefetchCursor over the next sub-block in reading order,
+  /// fused_attention.hpp's run_decode_task, where kHeadMajorPaced holds): 32 keys of D = 128 floats, 64 of D = 64.
+  /// Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, BHSD float, Skv = 32768 from DRAM, one thread, paired
+  /// against calls over the whole block, the P·V by pairs of keys): 8 KiB took 0.777 of the time, 16 KiB 0.757–0.821
+  /// (clang++ three runs, g++ 0.821), 32 KiB 1.026, 64 KiB 1.044, 128 KiB 1.048: what the cursor fetches into L1 a
+  /// sub-block ahead must fit there beside the sub-block being read (bench/README.md, "2026-12-06, thirty-second
+  /// session").
   static constexpr Index kDecodePacedBytes = 16384;
   /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
   /// share it: it is one task per chunk, not one per kv head.
