@@ -610,6 +610,68 @@ TEST(Fused, BitIdenticalForAnyThreadCount) {
   }
 }
 
+// One thread packs each (sequence, kv head) just before its tasks, into the place of the pair before it; a team packs
+// every pair first (pack.hpp, PackedKV). A varlen batch of two prefill sequences around a decoding one (not packed),
+// GQA with two kv heads and D = Dv = 80 (V packed on every tag, a narrow last chunk on AVX-512): each pair's tasks must
+// read its own packed K and V, never the pair packed before, so one thread gives the bits of two and three.
+TEST(Fused, PackingEachPairBeforeItsTasksGivesTheBitsOfPackingAllFirst) {
+  const Index Hq = 4, Hkv = 2, D = 80;
+  qkv::AttentionOptions<float> o;
+  o.backend = qkv::Backend::fused;
+  o.cu_seqlens_q = {0, 200, 202, 352};  // 200 rows, 2 (decoding: Sq·G = 4), 150
+  o.cu_seqlens_k = {0, 700, 1600, 1933};
+  const Index sq = o.cu_seqlens_q.back(), skv = o.cu_seqlens_k.back();
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(static_cast<std::size_t>(Hq * sq * D)), k(static_cast<std::size_t>(Hkv * skv * D)), v(k.size());
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = normal(rng);
+  const auto run = [&](int threads) {
+#if defined(_OPENMP)
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    std::vector<float> out(q.size(), -1.0f);
+    qkv::attention(qkv::view_bhsd<const float>(q.data(), 1, Hq, sq, D),
+                   qkv::view_bhsd<const float>(k.data(), 1, Hkv, skv, D),
+                   qkv::view_bhsd<const float>(v.data(), 1, Hkv, skv, D), qkv::view_bhsd(out.data(), 1, Hq, sq, D), o);
+    return out;
+  };
+#if defined(_OPENMP)
+  const int before = omp_get_max_threads();
+#endif
+  const std::vector<float> one = run(1), two = run(2), three = run(3);
+#if defined(_OPENMP)
+  omp_set_num_threads(before);
+#endif
+  for (std::size_t n = 0; n < one.size(); ++n) {
+    ASSERT_EQ(std::memcmp(&one[n], &two[n], sizeof(float)), 0) << n << ": " << one[n] << " against " << two[n];
+    ASSERT_EQ(std::memcmp(&one[n], &three[n], sizeof(float)), 0) << n << ": " << one[n] << " against " << three[n];
+  }
+  // And one thread's result is the attention: each sequence's rows against a float64 loop (first head, first and
+  // last row of each sequence).
+  for (std::size_t seq = 0; seq + 1 < o.cu_seqlens_q.size(); ++seq) {
+    const Index k0 = o.cu_seqlens_k[seq], k1 = o.cu_seqlens_k[seq + 1];
+    for (Index i : {o.cu_seqlens_q[seq], o.cu_seqlens_q[seq + 1] - 1}) {
+      std::vector<double> w(static_cast<std::size_t>(k1 - k0));
+      double max = -1e300, sum = 0.0;
+      for (Index j = k0; j < k1; ++j) {
+        double dot = 0.0;
+        for (Index d = 0; d < D; ++d) dot += double(q[i * D + d]) * double(k[j * D + d]);
+        w[static_cast<std::size_t>(j - k0)] = dot / std::sqrt(double(D));
+        max = std::max(max, w[static_cast<std::size_t>(j - k0)]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - max));
+      for (Index d = 0; d < D; ++d) {
+        double expected = 0.0;
+        for (Index j = k0; j < k1; ++j) expected += w[static_cast<std::size_t>(j - k0)] / sum * double(v[j * D + d]);
+        EXPECT_NEAR(one[static_cast<std::size_t>(i * D + d)], expected, 2e-5) << "sequence " << seq << " row " << i;
+      }
+    }
+  }
+}
+
 TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {
   if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
   // T = 4096, 2 heads, D = 64: Sq·Skv floats per head would be 64 MiB; K, Q, V, out are 2 MiB each.

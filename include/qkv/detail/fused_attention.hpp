@@ -3,7 +3,8 @@
 // The public entry point is qkv::attention (Backend::fused or automatic), which validates the call and resolves its
 // parameters (attention_params.hpp) before it gets here. The loop, with the room each step lives in:
 //
-//   pack K and V of every prefill sequence once per (sequence, kv head)                         pack.hpp
+//   pack K and V of every prefill sequence once per (sequence, kv head): a team all of them first,   pack.hpp
+//   one thread each pair just before its tasks
 //   for each task (sequence b, kv head h_kv, query tile [i0, i1), key chunk): threads over tasks    split_k.hpp
 //     Q_block ← the G query heads of the group stacked, row r = g·rows + (i − i0), pre-scaled by
 //               scale·log2 e (scale alone where softcap, bias or ALiBi need base e)            query_block.hpp
@@ -20,7 +21,8 @@
 // Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D), acc_s (a strip's kStrip × kBlockN scores, which
 // stay in L1, or a decoding block's M × kDecodeKeys) and acc_o (M × Dv), M = G · rows per tile (G · Sq · n_kv for a
 // decoding task of n_kv kv heads), allocated once per call; packed K and V, the size of K and V (prefill sequences
-// only), kept by the calling thread for its next calls (aligned_buffer.hpp, Workspace). Nothing of size Sq × Skv.
+// only; on one thread the size of the largest pair's), kept by the calling thread for its next calls
+// (aligned_buffer.hpp, Workspace). Nothing of size Sq × Skv.
 // Traffic per task: K and V of its visible key range once from memory, then from L2 for every strip (kBlockN = 256
 // keys × D = 128 floats = 128 KiB each on AVX2, 512 keys = 256 KiB on AVX-512), Q and out once; decoding reads K and
 // V once, in place.
@@ -110,7 +112,6 @@ class FusedAttention {
       decode_[static_cast<std::size_t>(b)] =
           shape_.q_rows[static_cast<std::size_t>(b)].length * G_ <= Tiles::kDecodeRows;
     }
-    packed_.pack(shape_, k_, v_, decode_);
     tasks_.build(shape_, rows_per_tile_, plans());
     decode_rows_ = 0;
     for (const FusedTask& t : tasks_.tasks()) {
@@ -122,19 +123,36 @@ class FusedAttention {
     // A team costs microseconds to wake; below about a million multiply-adds one thread is faster. Inside a
     // caller's active parallel region no team is opened (threads.hpp).
     const bool parallel = n_tasks > 1 && tasks_.work() > (Index(1) << 20) && may_open_team();
+    // One thread packs each (sequence, kv head) just before its tasks (PackedKV, one_at_a_time), a team all of them
+    // first. Either way every task reads the same packed floats: the same bits.
+    bool one_thread = !parallel;
 #if defined(_OPENMP)
-#pragma omp parallel if (parallel)
-#else
-    (void)parallel;
+    one_thread = one_thread || omp_get_max_threads() == 1;
+#endif
+    packed_.pack(shape_, k_, v_, decode_, one_thread);
+#if defined(_OPENMP)
+#pragma omp parallel if (parallel && !one_thread)
 #endif
     {
       observe_team();
       FusedScratch scratch;
       allocate(scratch);
+      if (one_thread) {
+        Index packed_pair = -1;  // tasks come in (sequence, kv head) order: each pair is packed once
+        for (const FusedTask& t : tasks) {
+          const Index pair = t.sequence * shape_.Hkv + t.h_kv;
+          if (!decode_[static_cast<std::size_t>(t.sequence)] && pair != packed_pair) {
+            packed_.pack_pair(shape_, k_, v_, t.sequence, t.h_kv);
+            packed_pair = pair;
+          }
+          run_task(t, scratch);
+        }
+      } else {
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
-      for (Index t = 0; t < n_tasks; ++t) run_task(tasks[static_cast<std::size_t>(t)], scratch);
+        for (Index t = 0; t < n_tasks; ++t) run_task(tasks[static_cast<std::size_t>(t)], scratch);
+      }
     }
     tasks_.merge([this](const FusedTask& t, Index r, float* o, float lse) { write_row(t, r, o, lse); });
   }

@@ -191,7 +191,11 @@ void count_nonfinite_values(const S* v, Index ld, Index skv, Index Dv, std::uint
 /// K and V of every prefill sequence of a call, packed once per (sequence, kv head) with the largest finite |k| of
 /// each (the bound base2_fits needs), in float whatever their storage S; the prefill tasks read them, decoding
 /// sequences (`decode[b]` set) are skipped.
-/// With OpenMP, (sequence, kv head) pairs are shared among threads when the copy is large enough to pay for a team.
+/// Packed all at once before the tasks (with OpenMP, (sequence, kv head) pairs are shared among threads when the copy
+/// is large enough to pay for a team), or, `one_at_a_time`, one pair each time pack_pair is called, every pair into
+/// the same place: a call on one thread packs each pair just before its tasks, so that the pair's packed K and V are
+/// still in cache when they run and the copies of the pairs do not evict each other. Against all at once: T = 1024,
+/// D = 128, H = 8, one thread, Zen 5, 0.97 of the time (bench/README.md, "2026-12-06, thirty-third session").
 template <class Tag>
 class PackedKV {
  public:
@@ -204,59 +208,84 @@ class PackedKV {
   PackedKV(const PackedKV&) = delete;
   PackedKV& operator=(const PackedKV&) = delete;
 
+  /// Lays out and packs every pair; or, `one_at_a_time`, lays out room for the largest pair only and packs nothing
+  /// (pack_pair packs each). Complexity: O(Σ skv · (D + Dv)) over the packed pairs.
   template <class S>
   void pack(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v,
-            const std::vector<char>& decode) {
+            const std::vector<char>& decode, bool one_at_a_time = false) {
     Hkv_ = shape.Hkv;
     const Index n = shape.n_sequences * shape.Hkv;
-    const bool values_in_place = values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv);  // the same for every pair
+    values_as_stored_ = values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv);  // the same for every pair
     key_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     value_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
     key_abs_max_.assign(static_cast<std::size_t>(n), 0.0f);
     nonfinite_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
+    Index key_floats = 0, value_floats = 0;  // one_at_a_time: the largest pair's
     for (Index b = 0; b < shape.n_sequences; ++b) {
       const Index skv = shape.key_counts[static_cast<std::size_t>(b)];
       const bool skip = decode[static_cast<std::size_t>(b)] != 0;
       const Index floats = skip ? 0 : (skv + kPanel - 1) / kPanel * kPanel * shape.D;
-      const Index value_floats = skip || values_in_place ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
-      for (Index h = 0; h < shape.Hkv; ++h) {
-        key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + floats;
-        value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + value_floats;
+      const Index values = skip || values_as_stored_ ? 0 : skv * FusedTiles<Tag>::chunk_floats(shape.Dv);
+      key_floats = std::max(key_floats, floats);
+      value_floats = std::max(value_floats, values);
+      for (Index h = 0; h < shape.Hkv; ++h) {  // one_at_a_time: every pair at offset 0
+        key_offset_[index(b, h) + 1] = key_offset_[index(b, h)] + (one_at_a_time ? 0 : floats);
+        value_offset_[index(b, h) + 1] = value_offset_[index(b, h)] + (one_at_a_time ? 0 : values);
         nonfinite_offset_[index(b, h) + 1] = nonfinite_offset_[index(b, h)] + (skip ? 0 : skv + 1);
       }
     }
+    if (!one_at_a_time) {
+      key_floats = key_offset_.back();
+      value_floats = value_offset_.back();
+    }
     values_in_place_.assign(static_cast<std::size_t>(n), nullptr);
     nonfinite_.resize(static_cast<std::size_t>(std::max<Index>(1, nonfinite_offset_.back())));
-    keys_.resize(static_cast<std::size_t>(std::max<Index>(1, key_offset_.back())));
-    values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_offset_.back())));
+    keys_.resize(static_cast<std::size_t>(std::max<Index>(1, key_floats)));
+    values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_floats)));
+    // A converted key row or value chunk (16-bit storage only): pack_pair's own for one_at_a_time, else per thread.
+    const std::size_t row_floats =
+        std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(std::max<Index>(shape.D, kChunk));
+    if (one_at_a_time) {
+      row_.resize(row_floats);
+      return;
+    }
 #if defined(_OPENMP)
-#pragma omp parallel if (n > 1 && key_offset_.back() > (Index(1) << 16) && may_open_team())
+#pragma omp parallel if (n > 1 && key_floats > (Index(1) << 16) && may_open_team())
 #endif
     {
       observe_team();
-      // A converted key row or value chunk (16-bit storage only).
-      std::vector<float> row(std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(std::max<Index>(shape.D, kChunk)));
+      std::vector<float> row(row_floats);
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
       for (Index task = 0; task < n; ++task) {
-        const Index b = task / shape.Hkv, h_kv = task % shape.Hkv;
-        const std::size_t s = static_cast<std::size_t>(b);
-        const Index skv = shape.key_counts[s];
-        if (skv == 0 || shape.q_rows[s].length == 0 || decode[s]) continue;
-        const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
-        key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
-                                                      keys_.data() + key_offset_[index(b, h_kv)], row.data());
-        if (values_in_place) {  // implies Dv > 0
-          if constexpr (std::is_same_v<S, float>) values_in_place_[index(b, h_kv)] = &v(vb, h_kv, row0, 0);
-          count_nonfinite_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
-                                      nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
-        } else if (shape.Dv > 0) {
-          pack_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
-                           values_.data() + value_offset_[index(b, h_kv)], row.data(),
-                           nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
-        }
+        const Index b = task / shape.Hkv;
+        if (!decode[static_cast<std::size_t>(b)]) pack_pair(shape, k, v, b, task % shape.Hkv, row.data());
       }
+    }
+  }
+
+  /// Packs the pair (sequence b, kv head h_kv) of a prefill sequence where pack laid it out (one_at_a_time: over
+  /// the pair packed before). `row`: scratch of max(D, kChunk) floats for 16-bit storage, or null to use the
+  /// layout's own (one thread at a time). Complexity: O(skv · (D + Dv)).
+  template <class S>
+  void pack_pair(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v, Index b,
+                 Index h_kv, float* row = nullptr) {
+    const std::size_t s = static_cast<std::size_t>(b);
+    const Index skv = shape.key_counts[s];
+    if (skv == 0 || shape.q_rows[s].length == 0) return;
+    if (row == nullptr) row = row_.data();
+    const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
+    key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
+                                                  keys_.data() + key_offset_[index(b, h_kv)], row);
+    if (values_as_stored_) {  // implies Dv > 0
+      if constexpr (std::is_same_v<S, float>) values_in_place_[index(b, h_kv)] = &v(vb, h_kv, row0, 0);
+      count_nonfinite_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
+                                  nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
+    } else if (shape.Dv > 0) {
+      pack_values<Tag>(&v(vb, h_kv, row0, 0), v.stride(2), skv, shape.Dv,
+                       values_.data() + value_offset_[index(b, h_kv)], row,
+                       nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
     }
   }
 
@@ -287,6 +316,8 @@ class PackedKV {
   std::vector<float> key_abs_max_;
   std::vector<const float*> values_in_place_;  ///< per (sequence, kv head): V itself where it is its packed layout
   std::vector<std::uint32_t> nonfinite_;  ///< per (sequence, kv head): skv + 1 counts of non-finite value rows
+  std::vector<float> row_;                ///< pack_pair's scratch where the caller gives none (16-bit storage)
+  bool values_as_stored_ = false;         ///< values_packed_as_stored: V read in place, not copied
 };
 
 }  // namespace QKV_PASS_NAME
