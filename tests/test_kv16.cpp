@@ -1024,22 +1024,25 @@ TYPED_TEST(Kv16Memory, DecodingAllocatesLessThanAQuarterOfFloatKV) {
 }
 
 TYPED_TEST(Kv16Memory, PrefillAllocatesThePackedFloatCopiesAndNoMore) {
-  // Prefill packs K and V once, converted to float: the float size of K and V (D = 128 and Skv = 4096 need no padding),
-  // as the float call does; besides, both calls allocate the same scratch (a few hundred KiB: Q blocks, accumulators,
-  // split-K slots), and the 16-bit one a converted row of max(D, kChunk) floats per thread. So the 16-bit call
-  // allocates at most the float call on the same shape plus those rows — no widened copy of K or V besides the packed
-  // ones (either would be another half of the float K/V size); its largest allocation is one packed copy, the float
-  // size of K; and the scratch beyond the packed copies is small next to them.
+  // Prefill packs K and V once, converted to float: the float size of K and V (D = 128 and Skv = 4096 need no padding;
+  // one kv head's on one thread, which packs each head just before its tasks), as the float call does; besides, both
+  // calls allocate the same scratch (a few hundred KiB: Q blocks, accumulators, split-K slots), and the 16-bit one a
+  // converted row of max(D, kChunk) floats per thread. So the 16-bit call allocates at most the float call on the same
+  // shape plus those rows — no widened copy of K or V besides the packed ones (either would be another half of the
+  // float K/V size); its largest allocation is one packed copy, the float size of K; and the scratch beyond the packed
+  // copies is small next to them.
   if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
   using S = TypeParam;
   const Index Hq = 8, Hkv = 2, Sq = 128, Skv = 4096, D = 128;
-  const std::size_t float_k_bytes = static_cast<std::size_t>(Hkv * Skv * D) * sizeof(float);
-  const std::size_t float_kv_bytes = 2 * float_k_bytes;
 #if defined(_OPENMP)
   const std::size_t threads = static_cast<std::size_t>(omp_get_max_threads());
 #else
   const std::size_t threads = 1;
 #endif
+  // A team packs both kv heads before the tasks; one thread each just before its own tasks, in one head's room.
+  const std::size_t packed_heads = threads > 1 ? static_cast<std::size_t>(Hkv) : 1;
+  const std::size_t float_k_bytes = packed_heads * static_cast<std::size_t>(Skv * D) * sizeof(float);
+  const std::size_t float_kv_bytes = 2 * float_k_bytes;
   const qkv_test::AllocationCount float_call = allocation_of<float>(Hq, Hkv, Sq, Skv, D, false);
   const qkv_test::AllocationCount count = allocation_of<S>(Hq, Hkv, Sq, Skv, D, false);
   std::cout << "[ memory ] " << storage_name<TypeParam>() << " prefill allocates " << count.bytes << " bytes (largest "

@@ -185,13 +185,13 @@ inline namespace QKV_ISA_NAME {
 ///   float64; the reference path within 1e-6·max(1, max|V|).
 /// Complexity: O(B·Hq·Sq·Skv·(D + Dv)) time, about half that with causal masking and O(Sq·w) per head with a
 ///   window of w keys on the fused path (hidden key tiles are never visited). Memory: the fused kernel needs
-///   the size of K and V (both packed once per call, except when decoding; V's rows rounded up to whole vectors, 8
-///   floats with AVX2 and 16 with AVX-512; V not copied where its rows are float, abut and are at most 16 floats wide
-///   with AVX2 or 64 with AVX-512, whole vectors: that is already the packed layout), kept on the calling thread for
-///   its next calls until `release_workspace()`, and a few hundred KiB of scratch per thread (bench_attention's
-///   alloc_MiB: 32.8 MiB at B = 1, H = 8, T = 16384, D = 64, where V is read in place, inputs 128 MiB), nothing of
-///   size Sq × Skv; the reference backend allocates
-///   O(Sq·Skv) per (sequence, head) in flight.
+///   the size of K and V with a team of threads, of one (sequence, kv head)'s K and V on one thread (packed once
+///   per call, except when decoding; V's rows rounded up to whole vectors, 8 floats with AVX2 and 16 with AVX-512;
+///   V not copied where its rows are float, abut and are at most 16 floats wide with AVX2 or 64 with AVX-512, whole
+///   vectors: that is already the packed layout), kept on the calling thread for its next calls until
+///   `release_workspace()`, and a few hundred KiB of scratch per thread (bench_attention's alloc_MiB, one thread:
+///   4.8 MiB at B = 1, H = 8, T = 16384, D = 64, where V is read in place, inputs 128 MiB), nothing of size
+///   Sq × Skv; the reference backend allocates O(Sq·Skv) per (sequence, head) in flight.
 /// Threads (OpenMP builds): a call large enough to pay for a team (about 2^20 multiply-adds on the fused path)
 ///   shares its work over (sequence, kv head, query tile, key chunk) among omp_get_max_threads() threads, the
 ///   calling thread's own setting (OMP_NUM_THREADS for all threads, omp_set_num_threads(n) for the thread that
