@@ -345,8 +345,8 @@ TEST(ThreadSafety, ACallMadeWhileAnotherRunsOnTheThreadTakesBuffersOfItsOwn) {
   GTEST_SKIP() << "built without OpenMP: no parallel region to make the inner call from";
 #else
   // The calling thread keeps its packed K and V between calls (qkv::release_workspace). A call made while another
-  // runs on the same thread (here from the observer of the outer call's task region, after the outer call packed
-  // K and V) must neither use nor free the buffers the outer call is reading.
+  // runs on the same thread (here from the observer of the first region the outer call opens, while it holds the
+  // workspace) must neither use nor free the buffers the outer call is packing and reading.
   const std::vector<Call> calls = all_calls();
   const std::vector<Bytes> expected = single_threaded_results(calls);
   const Call& outer = calls[0];  // fused, GQA 8/2, masks: its task loop opens a team

@@ -266,7 +266,8 @@ void attention(non_deduced_t<TensorView4<const T>> q, TensorView4<KE> k, TensorV
 
 /// Frees the memory the fused kernels keep on the calling thread between calls (its workspace: a buffer of packed K
 /// and one of packed V, each as large as the largest the thread's prefills have needed, together about the float
-/// size of the largest call's K and V, decoding packing nothing; the first of them also holds the scratch of
+/// size of the largest call's K and V, or of its largest (sequence, kv head)'s where one thread ran the call,
+/// decoding packing nothing; the first of them also holds the scratch of
 /// `attention_backward`'s team, O((Skv + G·Sq)·(D + Dv)) floats per thread). The next call allocates them again.
 /// Keeping them spares each call the page faults of fresh memory, as PyTorch's caching allocator and oneDNN's
 /// scratchpad do; call this after a large call whose memory should go back (`torch.cuda.empty_cache()` is PyTorch's

@@ -640,10 +640,11 @@ TEST(RingAttention, PeakAllocationIsTheShardTwoBlocksAndOneCall) {
   const int rank = rank_of_world(), P = size_of_world();
   for (ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
     // 1024 rows per rank where the whole K/V is compared (P >= 4). At P = 4 the ring holds two travelling blocks (half
-    // the whole K/V), one call's packed K/V of a chunk (a quarter; zigzag's chunks are half that) and the partial
-    // state (an eighth): 0.88 of the whole, contiguous, plus the call's scratch, whose size the build's tile shapes and
-    // the thread count fix (about 0.1 MiB per thread on an AVX-512 build; ctest runs one OpenMP thread per rank,
-    // cmake/qkv_mpi.cmake). 256 rows per rank (the whole: 1 MiB) left too little room for it on an AVX-512 build.
+    // the whole K/V), one call's packed K/V of a chunk (on one thread one kv head's: a sixteenth; zigzag's chunks are
+    // half that) and the partial state (an eighth): 0.69 of the whole, contiguous, plus the call's scratch, whose size
+    // the build's tile shapes and the thread count fix (about 0.1 MiB per thread on an AVX-512 build; ctest runs one
+    // OpenMP thread per rank, cmake/qkv_mpi.cmake). 256 rows per rank (the whole: 1 MiB) left too little room for it on
+    // an AVX-512 build.
     const Index B = 1, Hq = 4, Hkv = 4, D = 32, Dv = 32, S = (P >= 4 ? 1024 : 256) * P;
     qkv_test::Problem pr = qkv_test::make_problem({B, Hq, Hkv, S, S, D, Dv}, 31);
     pr.p.causal = true;

@@ -59,7 +59,8 @@ class AlignedBuffer {
 
 /// The buffers a thread keeps from one attention call to the next, each grown to the largest the thread has needed and
 /// freed by qkv::release_workspace() or when the thread ends: a prefill's packed K in `first` and packed V in `second`
-/// (pack.hpp, PackedKV: the largest allocation of a forward call, about the float size of its K and V); a backward
+/// (pack.hpp, PackedKV: the largest allocation of a forward call, about the float size of its K and V, or of one
+/// (sequence, kv head)'s on one thread); a backward
 /// call's scratch for every thread of its team in `first` (fused_backward.hpp). Allocated afresh for every call, they
 /// often came back from the system as fresh pages (glibc returns large freed blocks, or cannot reuse them for a 2 MiB-
 /// aligned request), and faulting them in again cost a one-thread prefill 3 % of its time at T = 4096, D = 128 (huge

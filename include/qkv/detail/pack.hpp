@@ -208,8 +208,9 @@ class PackedKV {
   PackedKV(const PackedKV&) = delete;
   PackedKV& operator=(const PackedKV&) = delete;
 
-  /// Lays out and packs every pair; or, `one_at_a_time`, lays out room for the largest pair only and packs nothing
-  /// (pack_pair packs each). Complexity: O(Σ skv · (D + Dv)) over the packed pairs.
+  /// Lays out and packs every pair; or, `one_at_a_time`, lays out packed K and V for the largest pair only (every
+  /// pair's finiteness counts still have their own place) and packs nothing (pack_pair packs each). Complexity: O(Σ skv
+  /// · (D + Dv)) over the packed pairs.
   template <class S>
   void pack(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v,
             const std::vector<char>& decode, bool one_at_a_time = false) {
