@@ -649,27 +649,15 @@ TEST(Fused, PackingEachPairBeforeItsTasksGivesTheBitsOfPackingAllFirst) {
     ASSERT_EQ(std::memcmp(&one[n], &two[n], sizeof(float)), 0) << n << ": " << one[n] << " against " << two[n];
     ASSERT_EQ(std::memcmp(&one[n], &three[n], sizeof(float)), 0) << n << ": " << one[n] << " against " << three[n];
   }
-  // And one thread's result is the attention: each sequence's rows against a float64 loop (first head, first and
-  // last row of each sequence).
-  for (std::size_t seq = 0; seq + 1 < o.cu_seqlens_q.size(); ++seq) {
-    const Index k0 = o.cu_seqlens_k[seq], k1 = o.cu_seqlens_k[seq + 1];
-    for (Index i : {o.cu_seqlens_q[seq], o.cu_seqlens_q[seq + 1] - 1}) {
-      std::vector<double> w(static_cast<std::size_t>(k1 - k0));
-      double max = -1e300, sum = 0.0;
-      for (Index j = k0; j < k1; ++j) {
-        double dot = 0.0;
-        for (Index d = 0; d < D; ++d) dot += double(q[i * D + d]) * double(k[j * D + d]);
-        w[static_cast<std::size_t>(j - k0)] = dot / std::sqrt(double(D));
-        max = std::max(max, w[static_cast<std::size_t>(j - k0)]);
-      }
-      for (double& x : w) sum += (x = std::exp(x - max));
-      for (Index d = 0; d < D; ++d) {
-        double expected = 0.0;
-        for (Index j = k0; j < k1; ++j) expected += w[static_cast<std::size_t>(j - k0)] / sum * double(v[j * D + d]);
-        EXPECT_NEAR(one[static_cast<std::size_t>(i * D + d)], expected, 2e-5) << "sequence " << seq << " row " << i;
-      }
-    }
-  }
+  // And one thread's result is the attention: every head and row against the float64 brute force.
+  brute::Params p;
+  static_cast<brute::Shape&>(p) = brute::Shape{1, Hq, Hkv, sq, skv, D, D};
+  p.cu_seqlens_q.assign(o.cu_seqlens_q.begin(), o.cu_seqlens_q.end());
+  p.cu_seqlens_k.assign(o.cu_seqlens_k.begin(), o.cu_seqlens_k.end());
+  const brute::Result expected =
+      brute::attention(std::vector<double>(q.begin(), q.end()), std::vector<double>(k.begin(), k.end()),
+                       std::vector<double>(v.begin(), v.end()), p);
+  for (std::size_t n = 0; n < one.size(); ++n) ASSERT_NEAR(one[n], expected.out[n], 2e-5) << n;
 }
 
 TEST(Fused, AllocatesNothingProportionalToSqTimesSkv) {

@@ -131,7 +131,7 @@ class FusedAttention {
 #endif
     packed_.pack(shape_, k_, v_, decode_, one_thread);
 #if defined(_OPENMP)
-#pragma omp parallel if (parallel && !one_thread)
+#pragma omp parallel if (!one_thread)
 #endif
     {
       observe_team();
