@@ -35,6 +35,9 @@
 #                  as the noise rule of bench/README.md was measured. A build whose instructions this CPU lacks (the
 #                  compiler's ISA macros against /proc/cpuinfo; -march=x86-64-v4 on an AVX2-only CPU) is compiled, not
 #                  run.
+#   QKV_AB_THREADS OpenMP threads per call of the speed mode and of --backward (default 1), with -fopenmp in
+#                  QKV_AB_FLAGS, e.g. QKV_AB_FLAGS="-O3 -march=native -fopenmp" QKV_AB_THREADS=2
+#                  OMP_WAIT_POLICY=active; the FMA loop they print stays on one thread.
 #   QKV_AB_KV_OFFSET, QKV_AB_B_KV_OFFSET
 #                  --decode only: K and V start this many bytes (a multiple of the element's size, below 64) past a
 #                  64-byte boundary, for both sides (unset or empty: where a std::vector puts them, 16 bytes past a

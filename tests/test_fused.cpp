@@ -611,10 +611,11 @@ TEST(Fused, BitIdenticalForAnyThreadCount) {
 }
 
 // One thread packs each (sequence, kv head) just before its tasks, into the place of the pair before it; a team packs
-// every pair first (pack.hpp, PackedKV). A varlen batch of two prefill sequences around a decoding one (not packed),
-// GQA with two kv heads and D = Dv = 80 (V packed on every tag, a narrow last chunk on AVX-512): each pair's tasks must
-// read its own packed K and V, never the pair packed before, so one thread gives the bits of two and three.
-TEST(Fused, PackingEachPairBeforeItsTasksGivesTheBitsOfPackingAllFirst) {
+// each pair on its first task, into a place of its own, by the thread that takes that task (pack.hpp, PackOrder). A
+// varlen batch of two prefill sequences around a decoding one (not packed), GQA with two kv heads and D = Dv = 80 (V
+// packed on every tag, a narrow last chunk on AVX-512): each pair's tasks must read its own packed K and V, never the
+// pair packed before, so one thread gives the bits of two and three.
+TEST(Fused, PackingEachPairJustBeforeItsTasksGivesTheSameBitsOnAnyThreadCount) {
   const Index Hq = 4, Hkv = 2, D = 80;
   qkv::AttentionOptions<float> o;
   o.backend = qkv::Backend::fused;
@@ -704,7 +705,8 @@ TEST(Fused, KeepsThePackedKeysAndValuesBetweenCallsUntilReleased) {
                      qkv::view_bhsd<const float>(v.data(), 1, H, T, D), qkv::view_bhsd(result.data(), 1, H, T, D), o);
     });
   };
-  // A team packs both heads before the tasks; one thread each head just before its own, in one head's room.
+  // A team has room for both heads' packed K and V; one thread packs each head just before its own tasks, in one
+  // head's room.
 #if defined(_OPENMP)
   const bool team = omp_get_max_threads() > 1;
 #else

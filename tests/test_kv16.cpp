@@ -1039,7 +1039,8 @@ TYPED_TEST(Kv16Memory, PrefillAllocatesThePackedFloatCopiesAndNoMore) {
 #else
   const std::size_t threads = 1;
 #endif
-  // A team packs both kv heads before the tasks; one thread each just before its own tasks, in one head's room.
+  // A team has room for both kv heads' packed K and V; one thread packs each just before its own tasks, in one head's
+  // room.
   const std::size_t packed_heads = threads > 1 ? static_cast<std::size_t>(Hkv) : 1;
   const std::size_t float_k_bytes = packed_heads * static_cast<std::size_t>(Skv * D) * sizeof(float);
   const std::size_t float_kv_bytes = 2 * float_k_bytes;

@@ -10,7 +10,8 @@
 // calls the 16-bit overloads of attention (c220239 on) and is compiled only with QKV_AB_DECODE (defined for --decode
 // alone). Modes:
 //
-//   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread. Calls alternate A, B (B, A on odd
+//   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread (QKV_AB_THREADS=N: N threads, in a
+//                                  build with -fopenmp; the FMA loop stays on one). Calls alternate A, B (B, A on odd
 //                                  rounds) on the same inputs, each round after a register-only FMA loop, so both
 //                                  versions see the same machine: on a shared machine whose speed drifts by ±20 % over
 //                                  minutes, the ratio of two interleaved versions is repeatable where two separate
@@ -211,7 +212,9 @@ int speed_mode(long D, long T, int rounds, bool causal) {
   for (auto* x : {&q, &k, &v})
     for (auto& e : *x) e = normal(rng);
 
-  set_threads(1);
+  // QKV_AB_THREADS=N (a build with -fopenmp in QKV_AB_FLAGS): N threads per call; the FMA loop stays on one.
+  const char* threads = std::getenv("QKV_AB_THREADS");
+  set_threads(threads != nullptr ? std::max(1, std::atoi(threads)) : 1);
   qkv::AttentionOptions<float> options_a;
   options_a.backend = qkv::Backend::fused;
   options_a.causal = causal;
@@ -883,7 +886,9 @@ int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p
   for (auto* x : {&q, &k, &v, &d_out})
     for (auto& e : *x) e = normal(rng);
 
-  set_threads(1);
+  // QKV_AB_THREADS=N (a build with -fopenmp in QKV_AB_FLAGS): N threads per call; the FMA loop stays on one.
+  const char* threads = std::getenv("QKV_AB_THREADS");
+  set_threads(threads != nullptr ? std::max(1, std::atoi(threads)) : 1);
   qkv::AttentionOptions<float> options_a;
   options_a.backend = qkv::Backend::fused;
   options_a.causal = causal;

@@ -3,8 +3,8 @@
 // The public entry point is qkv::attention (Backend::fused or automatic), which validates the call and resolves its
 // parameters (attention_params.hpp) before it gets here. The loop, with the room each step lives in:
 //
-//   pack K and V of every prefill sequence once per (sequence, kv head): a team all of them first,   pack.hpp
-//   one thread each pair just before its tasks
+//   pack K and V of every prefill sequence once per (sequence, kv head), each just before its first   pack.hpp
+//   task (by the thread that takes it first)
 //   for each task (sequence b, kv head h_kv, query tile [i0, i1), key chunk): threads over tasks    split_k.hpp
 //     Q_block ← the G query heads of the group stacked, row r = g·rows + (i − i0), pre-scaled by
 //               scale·log2 e (scale alone where softcap, bias or ALiBi need base e)            query_block.hpp
@@ -83,6 +83,7 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 struct FusedScratch {
   AlignedBuffer q_block, acc_s, acc_o, row_max, row_sum;
   std::vector<char> row_nan;
+  std::vector<float> pack_row;         ///< PackedKV::pack_pair's scratch (16-bit K and V)
   std::vector<HeadMask<float>> masks;  ///< the task's G head masks
   QueryScale scaled;                   ///< how the task's Q block was scaled
 };
@@ -123,13 +124,13 @@ class FusedAttention {
     // A team costs microseconds to wake; below about a million multiply-adds one thread is faster. Inside a
     // caller's active parallel region no team is opened (threads.hpp).
     const bool parallel = n_tasks > 1 && tasks_.work() > (Index(1) << 20) && may_open_team();
-    // One thread packs each (sequence, kv head) just before its tasks (PackedKV, one_at_a_time), a team all of them
-    // first. Either way every task reads the same packed floats: the same bits.
+    // One thread packs each (sequence, kv head) just before its tasks, a team each on its first task (PackOrder).
+    // Either way every task reads the same packed floats: the same bits.
     bool one_thread = !parallel;
 #if defined(_OPENMP)
     one_thread = one_thread || omp_get_max_threads() == 1;
 #endif
-    packed_.pack(shape_, k_, v_, decode_, one_thread);
+    packed_.lay_out(shape_, v_, decode_, one_thread ? PackOrder::one_at_a_time : PackOrder::on_first_use);
 #if defined(_OPENMP)
 #pragma omp parallel if (!one_thread)
 #endif
@@ -142,7 +143,7 @@ class FusedAttention {
         for (const FusedTask& t : tasks) {
           const Index pair = t.sequence * shape_.Hkv + t.h_kv;
           if (!decode_[static_cast<std::size_t>(t.sequence)] && pair != packed_pair) {
-            packed_.pack_pair(shape_, k_, v_, t.sequence, t.h_kv);
+            packed_.pack_pair(shape_, k_, v_, t.sequence, t.h_kv, scratch.pack_row.data());
             packed_pair = pair;
           }
           run_task(t, scratch);
@@ -151,7 +152,13 @@ class FusedAttention {
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (Index t = 0; t < n_tasks; ++t) run_task(tasks[static_cast<std::size_t>(t)], scratch);
+        for (Index i = 0; i < n_tasks; ++i) {
+          const FusedTask& t = tasks[static_cast<std::size_t>(i)];
+          if (!decode_[static_cast<std::size_t>(t.sequence)]) {
+            packed_.pack_once(shape_, k_, v_, t.sequence, t.h_kv, scratch.pack_row.data());
+          }
+          run_task(t, scratch);
+        }
       }
     }
     tasks_.merge([this](const FusedTask& t, Index r, float* o, float lse) { write_row(t, r, o, lse); });
@@ -193,6 +200,7 @@ class FusedAttention {
     s.row_sum.resize(static_cast<std::size_t>(M));
     s.row_nan.assign(static_cast<std::size_t>(M), 0);
     s.masks.resize(static_cast<std::size_t>(std::max<Index>(1, M)));
+    s.pack_row.resize(PackedKV<Tag>::template row_floats<S>(shape_));
   }
 
   /// One task: a prefill sequence in base 2, or in base e where base 2 could overflow; a decoding sequence in base e.

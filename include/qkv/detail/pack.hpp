@@ -21,9 +21,12 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -33,7 +36,6 @@
 #include "qkv/detail/fused_tiles.hpp"
 #include "qkv/detail/hidden_values.hpp"
 #include "qkv/detail/query_block.hpp"
-#include "qkv/detail/threads.hpp"
 #include "qkv/simd/simd.hpp"
 #include "qkv/tensor_view.hpp"
 
@@ -188,14 +190,20 @@ void count_nonfinite_values(const S* v, Index ld, Index skv, Index Dv, std::uint
   for (Index j = 0; j < skv; ++j) nonfinite[j + 1] += nonfinite[j];
 }
 
+/// When PackedKV packs each (sequence, kv head) of a call (all its pairs' packed K and V are read by the same tasks
+/// whichever it is, so the bits do not depend on it): `one_at_a_time`, room for one pair and each packed into it by
+/// pack_pair just before its tasks, for a call on one thread; `on_first_use`, room for every pair and each packed by
+/// pack_once, by the first thread of a team that takes one of its tasks, while the others wait for it or go on with
+/// their own pairs. Either way a pair's packed K and V are still in cache when its tasks read them, and the copies of
+/// the pairs do not evict each other, as packing every pair before the first task did. Against packing every pair
+/// first (D = 128, H = 8, Zen 5): one thread 0.97 of the time at T = 1024 (bench/README.md, "2026-12-06, thirty-third
+/// session"), two threads 0.97–0.99 at T = 1024 and 4096, causal or not ("2026-12-06, thirty-fourth session").
+enum class PackOrder { one_at_a_time, on_first_use };
+
 /// K and V of every prefill sequence of a call, packed once per (sequence, kv head) with the largest finite |k| of
 /// each (the bound base2_fits needs), in float whatever their storage S; the prefill tasks read them, decoding
-/// sequences (`decode[b]` set) are skipped.
-/// Packed all at once before the tasks (with OpenMP, (sequence, kv head) pairs are shared among threads when the copy
-/// is large enough to pay for a team), or, `one_at_a_time`, one pair each time pack_pair is called, every pair into
-/// the same place: a call on one thread packs each pair just before its tasks, so that the pair's packed K and V are
-/// still in cache when they run and the copies of the pairs do not evict each other. Against all at once: T = 1024,
-/// D = 128, H = 8, one thread, Zen 5, 0.97 of the time (bench/README.md, "2026-12-06, thirty-third session").
+/// sequences (`decode[b]` set) are skipped. lay_out makes room for them; pack_pair or pack_once packs each pair
+/// (PackOrder).
 template <class Tag>
 class PackedKV {
  public:
@@ -208,13 +216,13 @@ class PackedKV {
   PackedKV(const PackedKV&) = delete;
   PackedKV& operator=(const PackedKV&) = delete;
 
-  /// Lays out and packs every pair; or, `one_at_a_time`, lays out packed K and V for the largest pair only (every
-  /// pair's finiteness counts still have their own place) and packs nothing (pack_pair packs each). Complexity: O(Σ skv
-  /// · (D + Dv)) over the packed pairs.
+  /// Lays out packed K and V for every pair (on_first_use) or for the largest pair only (one_at_a_time; every pair's
+  /// finiteness counts still have their own place) and packs nothing. Complexity: O(n_sequences · Hkv).
   template <class S>
-  void pack(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v,
-            const std::vector<char>& decode, bool one_at_a_time = false) {
+  void lay_out(const AttentionShape& shape, const TensorView4<const S>& v, const std::vector<char>& decode,
+               PackOrder order) {
     Hkv_ = shape.Hkv;
+    const bool one_at_a_time = order == PackOrder::one_at_a_time;
     const Index n = shape.n_sequences * shape.Hkv;
     values_as_stored_ = values_packed_as_stored<Tag, S>(v.stride(2), shape.Dv);  // the same for every pair
     key_offset_.assign(static_cast<std::size_t>(n) + 1, 0);
@@ -238,44 +246,31 @@ class PackedKV {
     if (!one_at_a_time) {
       key_floats = key_offset_.back();
       value_floats = value_offset_.back();
+      // Not packed yet (0), being packed (1), packed (2): pack_once's flags, one per pair.
+      state_.reset(new std::atomic<int>[static_cast<std::size_t>(std::max<Index>(1, n))]);
+      for (Index i = 0; i < n; ++i) state_[static_cast<std::size_t>(i)].store(0, std::memory_order_relaxed);
     }
     values_in_place_.assign(static_cast<std::size_t>(n), nullptr);
     nonfinite_.resize(static_cast<std::size_t>(std::max<Index>(1, nonfinite_offset_.back())));
     keys_.resize(static_cast<std::size_t>(std::max<Index>(1, key_floats)));
     values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_floats)));
-    // A converted key row or value chunk (16-bit storage only): pack_pair's own for one_at_a_time, else per thread.
-    const std::size_t row_floats =
-        std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(std::max<Index>(shape.D, kChunk));
-    if (one_at_a_time) {
-      row_.resize(row_floats);
-      return;
-    }
-#if defined(_OPENMP)
-#pragma omp parallel if (n > 1 && key_floats > (Index(1) << 16) && may_open_team())
-#endif
-    {
-      observe_team();
-      std::vector<float> row(row_floats);
-#if defined(_OPENMP)
-#pragma omp for schedule(dynamic, 1)
-#endif
-      for (Index task = 0; task < n; ++task) {
-        const Index b = task / shape.Hkv;
-        if (!decode[static_cast<std::size_t>(b)]) pack_pair(shape, k, v, b, task % shape.Hkv, row.data());
-      }
-    }
   }
 
-  /// Packs the pair (sequence b, kv head h_kv) of a prefill sequence where pack laid it out (one_at_a_time: over
-  /// the pair packed before). `row`: scratch of max(D, kChunk) floats for 16-bit storage, or null to use the
-  /// layout's own (one thread at a time). Complexity: O(skv · (D + Dv)).
+  /// The scratch pack_pair and pack_once take for 16-bit storage: max(D, kChunk) floats (none for float).
+  template <class S>
+  static std::size_t row_floats(const AttentionShape& shape) noexcept {
+    return std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(std::max<Index>(shape.D, kChunk));
+  }
+
+  /// Packs the pair (sequence b, kv head h_kv) of a prefill sequence where lay_out made room for it (one_at_a_time:
+  /// over the pair packed before). `row`: the calling thread's scratch of row_floats floats (16-bit storage; not read
+  /// for float). Complexity: O(skv · (D + Dv)).
   template <class S>
   void pack_pair(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v, Index b,
-                 Index h_kv, float* row = nullptr) {
+                 Index h_kv, float* row) {
     const std::size_t s = static_cast<std::size_t>(b);
     const Index skv = shape.key_counts[s];
     if (skv == 0 || shape.q_rows[s].length == 0) return;
-    if (row == nullptr) row = row_.data();
     const Index vb = shape.view_batch(b), row0 = shape.kv_rows[s].begin;
     key_abs_max_[index(b, h_kv)] = pack_keys<Tag>(&k(vb, h_kv, row0, 0), k.stride(2), skv, shape.D,
                                                   keys_.data() + key_offset_[index(b, h_kv)], row);
@@ -288,6 +283,25 @@ class PackedKV {
                        values_.data() + value_offset_[index(b, h_kv)], row,
                        nonfinite_.data() + nonfinite_offset_[index(b, h_kv)]);
     }
+  }
+
+  /// on_first_use: returns once the pair (sequence b, kv head h_kv) of a prefill sequence is packed, having packed it
+  /// itself (pack_pair, with `row` as its scratch: row_floats floats, the calling thread's) if no thread had begun it,
+  /// else waited for the thread that had. Any number of threads may call it at once; what the packing thread wrote is
+  /// visible to every caller when it returns (release and acquire on the pair's flag). A waiting thread yields its
+  /// core between looks. Complexity: O(skv · (D + Dv)) for the packing thread, the rest of that for a waiting one.
+  template <class S>
+  void pack_once(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v, Index b,
+                 Index h_kv, float* row) {
+    std::atomic<int>& state = state_[index(b, h_kv)];
+    if (state.load(std::memory_order_acquire) == 2) return;
+    int idle = 0;
+    if (state.compare_exchange_strong(idle, 1, std::memory_order_acquire)) {
+      pack_pair(shape, k, v, b, h_kv, row);
+      state.store(2, std::memory_order_release);
+      return;
+    }
+    while (state.load(std::memory_order_acquire) != 2) std::this_thread::yield();
   }
 
   /// The packed K panels, the packed V chunks (V itself where values_packed_as_stored: then V must outlive the call
@@ -317,7 +331,7 @@ class PackedKV {
   std::vector<float> key_abs_max_;
   std::vector<const float*> values_in_place_;  ///< per (sequence, kv head): V itself where it is its packed layout
   std::vector<std::uint32_t> nonfinite_;  ///< per (sequence, kv head): skv + 1 counts of non-finite value rows
-  std::vector<float> row_;                ///< pack_pair's scratch where the caller gives none (16-bit storage)
+  std::unique_ptr<std::atomic<int>[]> state_;  ///< on_first_use: per (sequence, kv head), pack_once's flag
   bool values_as_stored_ = false;         ///< values_packed_as_stored: V read in place, not copied
 };
 
