@@ -375,8 +375,8 @@ TEST(Fused, CountNonfiniteValuesIsPackValuesCounts) {
       ++poisoned;
     }
     std::vector<std::uint32_t> packed_counts(static_cast<std::size_t>(skv + 1), 99u), counts = packed_counts;
-    std::vector<float> packed(static_cast<std::size_t>(skv * Dv)), row(static_cast<std::size_t>(Dv));
-    pass::pack_values<Tag>(v.data(), Dv, skv, Dv, packed.data(), row.data(), packed_counts.data());
+    std::vector<float> packed(static_cast<std::size_t>(skv * Dv));
+    pass::pack_values<Tag>(v.data(), Dv, skv, Dv, packed.data(), packed_counts.data());
     pass::count_nonfinite_values<Tag>(v.data(), Dv, skv, Dv, counts.data());
     EXPECT_EQ(counts, packed_counts) << "skv " << skv;
     EXPECT_EQ(std::memcmp(packed.data(), v.data(), v.size() * sizeof(float)), 0) << "the same layout, skv " << skv;

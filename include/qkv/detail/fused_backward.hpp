@@ -305,7 +305,7 @@ class FusedBackward {
     pack_keys<Tag>(k, k_.stride(2), skv, D, s.k_panels, nullptr);
     for (Index j0 = 0; j0 < skv; j0 += kBlockKeys) {
       pack_values<Tag>(k + j0 * k_.stride(2), k_.stride(2), std::min(kBlockKeys, skv - j0), D,
-                       s.k_chunks + j0 * packed_width(D), nullptr);
+                       s.k_chunks + j0 * packed_width(D));
     }
     if (Dv > 0) pack_keys<Tag>(&v_(vb, h_kv, kv_row0, 0), v_.stride(2), skv, Dv, s.v_panels, nullptr);
     const Index q_area = sq * packed_width(D), do_area = sq * packed_width(Dv);
@@ -314,10 +314,10 @@ class FusedBackward {
       for (Index i0 = 0; i0 < sq; i0 += kBlockRows) {
         const Index rows = std::min(kBlockRows, sq - i0);
         pack_values<Tag>(&q_(vb, h, q_row0 + i0, 0), q_.stride(2), rows, D,
-                         s.q_chunks + g * q_area + i0 * packed_width(D), nullptr);
+                         s.q_chunks + g * q_area + i0 * packed_width(D));
         if (Dv > 0) {
           pack_values<Tag>(&d_out_(vb, h, q_row0 + i0, 0), d_out_.stride(2), rows, Dv,
-                           s.do_chunks + g * do_area + i0 * packed_width(Dv), nullptr);
+                           s.do_chunks + g * do_area + i0 * packed_width(Dv));
         }
       }
       for (Index i = 0; i < sq; ++i) {
