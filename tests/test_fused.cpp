@@ -614,7 +614,8 @@ TEST(Fused, BitIdenticalForAnyThreadCount) {
 // each pair on its first task, into a place of its own, by the thread that takes that task (pack.hpp, PackOrder). A
 // varlen batch of two prefill sequences around a decoding one (not packed), GQA with two kv heads and D = Dv = 80 (V
 // packed on every tag, a narrow last chunk on AVX-512): each pair's tasks must read its own packed K and V, never the
-// pair packed before, so one thread gives the bits of two and three.
+// pair packed before, so one thread gives the bits of two and three. A team's task that read its pair before pack_once
+// had finished it would differ here only by chance; ThreadSanitizer's run of this test (label threads) checks that.
 TEST(Fused, PackingEachPairJustBeforeItsTasksGivesTheSameBitsOnAnyThreadCount) {
   const Index Hq = 4, Hkv = 2, D = 80;
   qkv::AttentionOptions<float> o;
@@ -907,6 +908,61 @@ TEST(Fused, PackKeysTransposesEveryKeyIntoItsPanel) {
   check_pack_keys<float>(0, 64, 64);      // nothing
   check_pack_keys<Eigen::half>(130, 40, 48);
   check_pack_keys<Eigen::bfloat16>(33, 16, 512);
+}
+
+// pack_values (pack.hpp) on the emulated 16-lane tag (AVX-512's chunks of 64 columns): every element of every chunk,
+// the zero padding of a last chunk narrower than a chunk (whole vectors wide), and the counts of non-finite rows,
+// against a plain loop, for float, half and bfloat16 storage, rows further apart than Dv, Dv off the vectors and the
+// chunks, and NaN and ∞ in V (copied as they are, counted). The buffer starts filled with -7, so a padding lane left
+// unwritten, or a write past the packed size, shows.
+template <class S>
+void check_pack_values(Index skv, Index Dv, Index ld) {
+  using Tiles = qkv_test::emulated_pass::FusedTiles<qkv_test::Emulated16Tag>;
+  constexpr Index kChunk = Tiles::kChunk;
+  std::vector<S> v(static_cast<std::size_t>(std::max<Index>(1, skv * ld)));
+  std::mt19937 rng(static_cast<unsigned>(skv * 37 + Dv * 11 + ld));
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  for (auto& e : v) e = S(dist(rng));
+  std::vector<char> bad(static_cast<std::size_t>(skv), 0);
+  for (const Index j : {Index(1), Index(70), skv - 1}) {
+    if (j < 0 || j >= skv || Dv == 0) continue;
+    v[static_cast<std::size_t>(j * ld + (j * 5) % Dv)] =
+        S(j % 2 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity());
+    bad[static_cast<std::size_t>(j)] = 1;
+  }
+  const Index full = Dv / kChunk * kChunk, last = Tiles::chunk_floats(Dv - full);
+  const std::size_t size = static_cast<std::size_t>(skv * (full + last));
+  std::vector<float> packed(size + 16, -7.0f);
+  std::vector<std::uint32_t> counts(static_cast<std::size_t>(skv + 1), 99u);
+  qkv_test::emulated_pass::pack_values<qkv_test::Emulated16Tag>(v.data(), ld, skv, Dv, packed.data(), counts.data());
+  const std::string where = "skv " + std::to_string(skv) + ", Dv " + std::to_string(Dv) + ", ld " + std::to_string(ld);
+  for (Index c = 0; c < Dv; c += kChunk) {
+    const Index stride = c < full ? kChunk : last;
+    for (Index j = 0; j < skv; ++j) {
+      for (Index d = 0; d < stride; ++d) {
+        const float got = packed[static_cast<std::size_t>(c * skv + j * stride + d)];
+        const float want = c + d < Dv ? static_cast<float>(v[static_cast<std::size_t>(j * ld + c + d)]) : 0.0f;
+        ASSERT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << where << ": key " << j << ", column " << c + d;
+      }
+    }
+  }
+  for (std::size_t i = size; i < packed.size(); ++i) ASSERT_EQ(packed[i], -7.0f) << where << ": written past the end";
+  std::uint32_t before = 0;
+  for (Index j = 0; j <= skv; ++j) {
+    ASSERT_EQ(counts[static_cast<std::size_t>(j)], before) << where << ": count before key " << j;
+    if (j < skv) before += bad[static_cast<std::size_t>(j)];
+  }
+}
+
+TEST(Fused, PackValuesCopiesEveryValueIntoItsChunk) {
+  check_pack_values<float>(100, 128, 128);  // two whole chunks, head-major
+  check_pack_values<float>(130, 80, 640);   // a last chunk of one vector, token-major rows
+  check_pack_values<float>(65, 72, 72);     // a last chunk of 8 columns in one masked vector
+  check_pack_values<float>(3, 5, 9);        // less than one vector
+  check_pack_values<float>(0, 64, 64);      // nothing
+  check_pack_values<float>(70, 130, 130);   // two whole chunks and a masked 2-column one
+  check_pack_values<Eigen::half>(71, 40, 48);
+  check_pack_values<Eigen::bfloat16>(66, 100, 512);
 }
 
 // OnlineSoftmax::update_rows (online_softmax.hpp), which the prefill calls for a strip's rows at once, against

@@ -1027,10 +1027,10 @@ TYPED_TEST(Kv16Memory, PrefillAllocatesThePackedFloatCopiesAndNoMore) {
   // Prefill packs K and V once, converted to float: the float size of K and V (D = 128 and Skv = 4096 need no padding;
   // one kv head's on one thread, which packs each head just before its tasks), as the float call does; besides, both
   // calls allocate the same scratch (a few hundred KiB: Q blocks, accumulators, split-K slots), and the 16-bit one a
-  // converted row of max(D, kChunk) floats per thread. So the 16-bit call allocates at most the float call on the same
-  // shape plus those rows — no widened copy of K or V besides the packed ones (either would be another half of the
-  // float K/V size); its largest allocation is one packed copy, the float size of K; and the scratch beyond the packed
-  // copies is small next to them.
+  // converted key row of D floats per thread (pack_keys' bound). So the 16-bit call allocates at most the float call on
+  // the same shape plus those rows — no widened copy of K or V besides the packed ones (either would be another half of
+  // the float K/V size); its largest allocation is one packed copy, the float size of K; and the scratch beyond the
+  // packed copies is small next to them.
   if (!QKV_COUNTS_ALLOCATIONS) GTEST_SKIP() << "ThreadSanitizer build: operator new is TSan's, not counted";
   using S = TypeParam;
   const Index Hq = 8, Hkv = 2, Sq = 128, Skv = 4096, D = 128;
@@ -1049,7 +1049,7 @@ TYPED_TEST(Kv16Memory, PrefillAllocatesThePackedFloatCopiesAndNoMore) {
   std::cout << "[ memory ] " << storage_name<TypeParam>() << " prefill allocates " << count.bytes << " bytes (largest "
             << count.largest << "), the float call " << float_call.bytes << "; float K and V are " << float_kv_bytes
             << "\n";
-  EXPECT_LE(count.bytes, float_call.bytes + threads * static_cast<std::size_t>(std::max<Index>(D, 64)) * sizeof(float));
+  EXPECT_LE(count.bytes, float_call.bytes + threads * static_cast<std::size_t>(D) * sizeof(float));
   EXPECT_GE(float_call.bytes, float_kv_bytes);  // the float call's own packed copies, which the bound above includes
   EXPECT_LE(float_call.bytes - float_kv_bytes, float_kv_bytes / 16) << "the float call's scratch";
   EXPECT_LE(count.largest, float_k_bytes);

@@ -32,14 +32,15 @@
 //   ab_fused --list                the case names.
 //   ab_fused --backward [T D causal rounds dropout_p]
 //                                  speed of the fused backward (defaults 4096 128 0 10 0): B = 1, H = 8, Sq = Skv = T,
-//                                  D = Dv, BHSD views, one thread; dropout_p > 0 adds dropout (the dropout case's seed
-//                                  and offset, the forward's too). The forward's out and lse are computed once, by A;
-//                                  then qkv::attention_backward of A and B alternate on the same inputs as in speed
-//                                  mode (A first on even rounds), each round after the FMA loop. Prints the median
-//                                  milliseconds of each version and the median of the per-round ratios B / A (a ratio
-//                                  per round cancels the machine's drift between rounds, which a ratio of medians
-//                                  would not); how many rounds B won; whether dQ, dK and dV of A and B are
-//                                  bit-identical, and where not, the largest difference relative to max |gradient|.
+//                                  D = Dv, BHSD views, one thread (QKV_AB_THREADS as in speed mode); dropout_p > 0 adds
+//                                  dropout (the dropout case's seed and offset, the forward's too). The forward's out
+//                                  and lse are computed once, by A; then qkv::attention_backward of A and B alternate
+//                                  on the same inputs as in speed mode (A first on even rounds), each round after the
+//                                  FMA loop. Prints the median milliseconds of each version and the median of the
+//                                  per-round ratios B / A (a ratio per round cancels the machine's drift between
+//                                  rounds, which a ratio of medians would not); how many rounds B won; whether dQ, dK
+//                                  and dV of A and B are bit-identical, and where not, the largest difference relative
+//                                  to max |gradient|.
 //   ab_fused --backward-bits [--perturb] [NAME...]
 //                                  bit check of the backward: every case of kBackwardShapes × kBackwardPresets (or
 //                                  those whose name contains one of NAME). Per case the forward's out and lse are

@@ -83,7 +83,7 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 struct FusedScratch {
   AlignedBuffer q_block, acc_s, acc_o, row_max, row_sum;
   std::vector<char> row_nan;
-  std::vector<float> pack_row;         ///< PackedKV::pack_pair's scratch (16-bit K and V)
+  std::vector<float> pack_row;         ///< PackedKV::pack_pair's and pack_once's scratch (16-bit K)
   std::vector<HeadMask<float>> masks;  ///< the task's G head masks
   QueryScale scaled;                   ///< how the task's Q block was scaled
 };

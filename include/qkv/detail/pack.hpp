@@ -148,7 +148,7 @@ void mark_nonfinite(const S* v, Index ld, Index g0, Index g1, Index width, std::
 /// row of V is read once, front to back, and no scratch row is needed. Against the pass over the rows per chunk it
 /// replaced (element by element, 16-bit rows converted into a scratch row first): the same speed, as the copy waits on
 /// V's first read from memory (T = 1024, D = 128, H = 8, one thread, Zen 5: B faster in 31 of 60 rounds, pack_values'
-/// share of the samples unchanged; the backward, which packs Q, dO and K so, 0.998 of the time; bench/README.md,
+/// share of the samples not lower; the backward, which packs Q, dO and K so, 0.998 of the time; bench/README.md,
 /// "2026-12-06, thirty-fourth session").
 /// If `nonfinite` is given (skv + 1 counts), nonfinite[j] becomes the number of keys before j whose value row holds
 /// ±∞ or NaN, so that whether keys [j0, j1) are all finite is nonfinite[j1] == nonfinite[j0] (the prefill's test
@@ -212,7 +212,9 @@ void count_nonfinite_values(const S* v, Index ld, Index skv, Index Dv, std::uint
 /// their own pairs. Either way a pair's packed K and V are still in cache when its tasks read them, and the copies of
 /// the pairs do not evict each other, as packing every pair before the first task did. Against packing every pair
 /// first (D = 128, H = 8, Zen 5): one thread 0.97 of the time at T = 1024 (bench/README.md, "2026-12-06, thirty-third
-/// session"), two threads 0.97–0.99 at T = 1024 and 4096, causal or not ("2026-12-06, thirty-fourth session").
+/// session"), two threads 0.97–0.99 at T = 1024 and 4096, causal or not ("2026-12-06, thirty-fourth session"). Only
+/// teams of two were measured: in a team of N, the threads that take the first pair's other tasks wait for its copy
+/// (N − 1 of them at the start), where packing all first copied N pairs at once.
 enum class PackOrder { one_at_a_time, on_first_use };
 
 /// K and V of every prefill sequence of a call, packed once per (sequence, kv head) with the largest finite |k| of
@@ -262,8 +264,7 @@ class PackedKV {
       key_floats = key_offset_.back();
       value_floats = value_offset_.back();
       // Not packed yet (0), being packed (1), packed (2): pack_once's flags, one per pair.
-      state_.reset(new std::atomic<int>[static_cast<std::size_t>(std::max<Index>(1, n))]);
-      for (Index i = 0; i < n; ++i) state_[static_cast<std::size_t>(i)].store(0, std::memory_order_relaxed);
+      state_.reset(new std::atomic<int>[static_cast<std::size_t>(std::max<Index>(1, n))]());
     }
     values_in_place_.assign(static_cast<std::size_t>(n), nullptr);
     nonfinite_.resize(static_cast<std::size_t>(std::max<Index>(1, nonfinite_offset_.back())));
@@ -271,10 +272,11 @@ class PackedKV {
     values_.resize(static_cast<std::size_t>(std::max<Index>(1, value_floats)));
   }
 
-  /// The scratch pack_pair and pack_once take for 16-bit storage: max(D, kChunk) floats (none for float).
+  /// The scratch pack_pair and pack_once take for 16-bit storage, a converted key row for pack_keys' bound: D floats
+  /// (none for float).
   template <class S>
   static std::size_t row_floats(const AttentionShape& shape) noexcept {
-    return std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(std::max<Index>(shape.D, kChunk));
+    return std::is_same_v<S, float> ? 0 : static_cast<std::size_t>(shape.D);
   }
 
   /// Packs the pair (sequence b, kv head h_kv) of a prefill sequence where lay_out made room for it (one_at_a_time:
@@ -282,7 +284,7 @@ class PackedKV {
   /// for float). Complexity: O(skv · (D + Dv)).
   template <class S>
   void pack_pair(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v, Index b,
-                 Index h_kv, float* row) {
+                 Index h_kv, float* row) noexcept {
     const std::size_t s = static_cast<std::size_t>(b);
     const Index skv = shape.key_counts[s];
     if (skv == 0 || shape.q_rows[s].length == 0) return;
@@ -307,7 +309,7 @@ class PackedKV {
   /// core between looks. Complexity: O(skv · (D + Dv)) for the packing thread, the rest of that for a waiting one.
   template <class S>
   void pack_once(const AttentionShape& shape, const TensorView4<const S>& k, const TensorView4<const S>& v, Index b,
-                 Index h_kv, float* row) {
+                 Index h_kv, float* row) noexcept {
     std::atomic<int>& state = state_[index(b, h_kv)];
     if (state.load(std::memory_order_acquire) == 2) return;
     int idle = 0;
