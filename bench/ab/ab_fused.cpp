@@ -165,6 +165,13 @@ void set_threads(int n) {
 #endif
 }
 
+// The speed modes' threads per call: QKV_AB_THREADS=N (a build with -fopenmp in QKV_AB_FLAGS), else 1. Their FMA loop
+// stays on one thread.
+int speed_threads() {
+  const char* threads = std::getenv("QKV_AB_THREADS");
+  return threads != nullptr ? std::max(1, std::atoi(threads)) : 1;
+}
+
 // Outputs whose bits differ (a NaN on one side counts; max would skip it), the bits in which they differ, and the
 // largest finite difference. Two NaNs count as equal, and apart, in nan_payload: IEEE 754 leaves the sign and payload
 // of a NaN result to the implementation (x86 keeps the first operand's, so they follow the compiler's operand order),
@@ -213,9 +220,7 @@ int speed_mode(long D, long T, int rounds, bool causal) {
   for (auto* x : {&q, &k, &v})
     for (auto& e : *x) e = normal(rng);
 
-  // QKV_AB_THREADS=N (a build with -fopenmp in QKV_AB_FLAGS): N threads per call; the FMA loop stays on one.
-  const char* threads = std::getenv("QKV_AB_THREADS");
-  set_threads(threads != nullptr ? std::max(1, std::atoi(threads)) : 1);
+  set_threads(speed_threads());
   qkv::AttentionOptions<float> options_a;
   options_a.backend = qkv::Backend::fused;
   options_a.causal = causal;
@@ -887,9 +892,7 @@ int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p
   for (auto* x : {&q, &k, &v, &d_out})
     for (auto& e : *x) e = normal(rng);
 
-  // QKV_AB_THREADS=N (a build with -fopenmp in QKV_AB_FLAGS): N threads per call; the FMA loop stays on one.
-  const char* threads = std::getenv("QKV_AB_THREADS");
-  set_threads(threads != nullptr ? std::max(1, std::atoi(threads)) : 1);
+  set_threads(speed_threads());
   qkv::AttentionOptions<float> options_a;
   options_a.backend = qkv::Backend::fused;
   options_a.causal = causal;
