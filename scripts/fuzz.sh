@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the libFuzzer targets of fuzz/ (built by the `fuzz` preset: clang++, libFuzzer + ASan + UBSan).
+# Runs the libFuzzer targets of fuzz/ (built by the `fuzz` preset, or `fuzz-bounded` at -O0: clang++, libFuzzer + ASan +
+# UBSan).
 #
 #   bash scripts/fuzz.sh bounded        # CI: configure, build at -O0, replay the committed corpus, fuzz 180 s (one
 #                                       # process; the fuzz-bounded preset, build/fuzz-bounded)
@@ -7,9 +8,10 @@
 #                                       # build/fuzz/corpus/attention (resumable: run it again to continue)
 #   bash scripts/fuzz.sh seeds          # regenerate the seed_* files of the committed corpus fuzz/corpus/attention/
 #
-# The bounded run compiles at -O0: on a Zen 5 the harness took 49 s to compile there against 450 s at -O1, and ran 263
-# inputs a second against 717 (180 s at -O0: 47767 inputs; 120 s at -O1: 86777; fuzz/README.md, "Running"). The long
-# run and the seeds keep -O1 (the fuzz preset, build/fuzz).
+# The bounded run compiles at -O0: on a Zen 5 the harness took 49 s to compile against 450 s at -O1, and ran 263 inputs
+# a second against 717 (180 s at -O0: 47767 inputs; 120 s at -O1: 86777; fuzz/README.md, "Running"). The long run and
+# the seeds keep -O1 (the fuzz preset, build/fuzz). Every mode grows the same corpus and writes its findings to the same
+# directory, under build/fuzz, so that a long run starts from what bounded runs found.
 #
 # Environment: QKV_FUZZ_SECONDS overrides the bounded run's 180 s, QKV_FUZZ_CORPUS the corpus directory; for the
 # long run, QKV_FUZZ_JOBS=N runs N processes sharing the corpus (logs in build/fuzz/fuzz-<i>.log) and

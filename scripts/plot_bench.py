@@ -6,12 +6,14 @@ placements and each decode row against its roofline (decode_roofline), and plots
         --benchmark_out=bench.json --benchmark_out_format=json
     /usr/bin/python3 scripts/plot_bench.py bench.json --out bench.png      # or bench.svg; --no-plot: text only
 
-Two-thread decode rows come from a run of their own with an active team (a passive one slows them; bench/README.md):
+Decode rows come from runs of their own, ten repetitions of every row in a random order (their medians are read
+here), two-thread rows with an active team (a passive one slows them; bench/README.md):
 
     OMP_WAIT_POLICY=active ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
-        --benchmark_filter='BM_FmaPeak|BM_ReadLoop/.*threads:2|BM_FusedDecode/.*threads:2' \\
-        --benchmark_out=bench2.json --benchmark_out_format=json
-    /usr/bin/python3 scripts/plot_bench.py bench2.json --no-plot
+        --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true \\
+        --benchmark_filter='BM_FmaPeak|BM_ReadLoop/.*threads:2/|BM_FusedDecode/.*threads:2/' \\
+        --benchmark_out=decode2.json --benchmark_out_format=json
+    /usr/bin/python3 scripts/plot_bench.py decode2.json --no-plot
 
 Slopes (seed 000, 定理 2.4.3: O(T²·d) time, and the fused kernel's O(T·D) memory against the naive O(T²)) are
 least-squares fits of log(real time) or log(MiB) against log(T) or log(D) over the one-thread, non-causal rows
