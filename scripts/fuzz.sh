@@ -9,7 +9,7 @@
 #   bash scripts/fuzz.sh seeds          # regenerate the seed_* files of the committed corpus fuzz/corpus/attention/
 #
 # The bounded run compiles at -O0: on a Zen 5 the harness took 49 s to compile against 450 s at -O1, and ran 263 inputs
-# a second against 717 (180 s at -O0: 47767 inputs; 120 s at -O1: 86777; fuzz/README.md, "Running"). The long run and
+# a second against 717 (180 s at -O0: 47767 inputs; 120 s at -O1: 86777; fuzz/README.md, "Long run"). The long run and
 # the seeds keep -O1 (the fuzz preset, build/fuzz). Every mode grows the same corpus and writes its findings to the same
 # directory, under build/fuzz, so that a long run starts from what bounded runs found.
 #
