@@ -6,7 +6,8 @@
 // softmax not counted), as FlashAttention does; GBps counts the compulsory bytes (K and V once) of decoding.
 // Baselines: a register-only FMA loop (the ISA's peak for one thread), an Eigen SGEMM 2048³ (the "Eigen SGEMM
 // reference"), a naive materialized Eigen attention (S = Q·Kᵀ, softmax, P·V per head, float), the qkv reference
-// path (float64 accumulation) on small shapes, and a plain read loop over the decode sizes (the bandwidth there).
+// path (float64 accumulation) on small shapes, a plain read loop over the decode sizes (the bandwidth there) and the
+// same loop with decode's multiply-adds (how fast the core streams those bytes while doing decode's arithmetic).
 // Quote ratios from one run (bench/README.md), never absolute times: the machines are shared. For ratios fit to
 // quote, take medians of interleaved rounds, each kernel beside its baseline in one process:
 //   bench_attention --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true
@@ -482,6 +483,63 @@ void BM_ReadLoop(benchmark::State& state) {
   state.SetLabel(label("read loop"));
 }
 
+// The read loop with decode's multiply-adds: BM_ReadLoop's bytes (float, on cache lines), each loaded vector met by G
+// = Hq / Hkv = 4 multiply-adds, one per query row of a kv head (weights in registers, no reduction, no store, no
+// software prefetch), as decode's Q·Kᵀ and P·V meet each K and V vector with its G rows: the rate at which the core
+// streams those bytes while it does decode's arithmetic, which neither BM_ReadLoop (no arithmetic) nor BM_FmaPeak (no
+// reads) shows. Args {Skv, threads}. Accumulators: 4 rows × 4 vectors on 32-register tags, 4 × 2 on AVX2 (16
+// registers), enough to cover the FMA latency.
+void BM_ReadFmaLoop(benchmark::State& state) {
+  const Index Skv = state.range(0), Hkv = 8, D = 128, G = 4;
+  const int threads = static_cast<int>(state.range(1));
+  const std::size_t n = std::size_t(2 * Hkv * Skv * D);
+  const auto storage = stored_as<float, LineVector<float>>(random_vector(n, 4));
+  const float* const data = storage.data();
+  using Tag = qkv::simd::BestTag;
+  using Vec = typename Tag::Vec;
+  constexpr int L = Tag::kLanes, kColumns = L >= 16 ? 4 : 2;
+  const auto read = [&] {
+    float total = 0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+#endif
+    {
+      int thread = 0, team = 1;
+#if defined(_OPENMP)
+      thread = omp_get_thread_num();
+      team = omp_get_num_threads();
+#endif
+      const std::size_t step = std::size_t(kColumns * L);
+      const std::size_t begin = n / std::size_t(team) * std::size_t(thread) / step * step;
+      const std::size_t end = thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / step * step;
+      const Vec w[G] = {qkv::simd::set1(Tag(), 0.5f), qkv::simd::set1(Tag(), -0.25f), qkv::simd::set1(Tag(), 0.125f),
+                        qkv::simd::set1(Tag(), 2.0f)};
+      Vec acc[G][kColumns];
+      for (auto& row : acc)
+        for (auto& a : row) a = qkv::simd::zero(Tag());
+      for (std::size_t e = begin; e < end; e += step) {
+        for (int c = 0; c < kColumns; ++c) {
+          const Vec x = qkv::simd::load(Tag(), data + e + std::size_t(c * L));
+          for (int r = 0; r < G; ++r) acc[r][c] = qkv::simd::fmadd(w[r], x, acc[r][c]);
+        }
+      }
+      Vec sum = qkv::simd::zero(Tag());
+      for (auto& row : acc)
+        for (auto& a : row) sum = qkv::simd::add(sum, a);
+      total += qkv::simd::reduce_sum(Tag(), sum);
+    }
+    benchmark::DoNotOptimize(total);
+  };
+  read();  // as BM_ReadLoop: the first pass over freshly written memory is not timed
+  for (auto _ : state) read();
+  (void)threads;
+  state.counters["GBps"] =
+      benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * double(G) * double(n) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("read loop with decode's FMAs"));
+}
+
 void prefill_args(benchmark::internal::Benchmark* b) {
   for (int threads : {1, 2})
     for (Index T : {512, 1024, 2048, 4096, 16384})
@@ -540,6 +598,11 @@ BENCHMARK(BM_FusedDecode)
 BENCHMARK(BM_ReadLoop)
     ->ArgsProduct({{2048, 32768}, {1, 2}, {0, 16}})
     ->ArgNames({"Skv", "threads", "offset"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_ReadFmaLoop)
+    ->ArgsProduct({{2048, 32768}, {1, 2}})
+    ->ArgNames({"Skv", "threads"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Reads bench_attention's JSON output, prints the complexity slopes, the memory table, the read loop at each of its
-placements and each decode row against its roofline (decode_roofline), and plots GFLOPS against T.
+placements and each decode row against its roofline and against the read loop with decode's FMAs (decode_roofline),
+and plots GFLOPS against T.
 
     OMP_WAIT_POLICY=passive ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
         --benchmark_out=bench.json --benchmark_out_format=json
@@ -11,7 +12,7 @@ here), two-thread rows with an active team (a passive one slows them; bench/READ
 
     OMP_WAIT_POLICY=active ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
         --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true \\
-        --benchmark_filter='BM_FmaPeak|BM_ReadLoop/.*threads:2/|BM_FusedDecode/.*threads:2/' \\
+        --benchmark_filter='BM_FmaPeak|BM_Read(Fma)?Loop/.*threads:2/|BM_FusedDecode/.*threads:2/' \\
         --benchmark_out=decode2.json --benchmark_out_format=json
     /usr/bin/python3 scripts/plot_bench.py decode2.json --no-plot
 
@@ -139,17 +140,28 @@ def decode_roofline(rows):
             print(f"  Skv {Skv:<6d} threads {threads}: " +
                   ", ".join(f"offset {o}: {g:.1f}" if o >= 0 else f"{g:.1f} (placement not recorded)" for o, g in by))
     print("\nDecode against its roofline (Sq = 1, Hq = 32, Hkv = 8, D = 128; shares of the same run's loops, the read")
-    print("loop's faster placement):")
-    print("  layout storage Skv    threads  GB/s   of read loop  GFLOP/s  of FMA loop  of roofline  bound")
+    print("loop's faster placement; the last column: of the read loop with decode's FMAs, float rows only):")
+    print("  layout storage Skv    threads  GB/s   of read loop  GFLOP/s  of FMA loop  of roofline  bound  of read+FMA")
     for r in sorted(decode, key=lambda r: (r.get("bshd", 0), r.get("storage", 0), r["Skv"], r["threads"])):
         read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
         of_read = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
         of_fma = r["GFLOPS"] / (peak[0]["GFLOPS"] * r["threads"]) if peak else float("nan")
         # The bound is the loop that would take longer over this row's bytes and FLOPs.
         bound = "FMA" if of_fma > of_read else "read" if of_read == of_read else "?"
+        # BM_ReadFmaLoop streams float bytes with decode's multiply-adds for float K and V (G per vector): a 16-bit
+        # row does as many per element over half the bytes, so it is compared with float rows only.
+        both = pick(rows, "ReadFmaLoop", Skv=r["Skv"], threads=r["threads"])
+        of_both = f"{r['GBps'] / both[0]['GBps']:.2f}" if both and r.get("storage", 0) == 0 else "-"
         print(f"  {'bshd' if r.get('bshd') else 'bhsd':<6} {STORAGE.get(r.get('storage', 0), '?'):<7} {r['Skv']:<6d} "
               f"{r['threads']:<8d} {r['GBps']:<6.1f} {of_read:<13.2f} {r['GFLOPS']:<8.1f} {of_fma:<12.2f} "
-              f"{max(of_read, of_fma):<12.2f} {bound}")
+              f"{max(of_read, of_fma):<12.2f} {bound:<6} {of_both}")
+    both = pick(rows, "ReadFmaLoop")
+    if both and reads:
+        print("\nRead loop with decode's FMAs (GB/s, of the read loop's faster placement):")
+        for r in sorted(both, key=lambda r: (r["Skv"], r["threads"])):
+            read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
+            share = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
+            print(f"  Skv {r['Skv']:<6d} threads {r['threads']}: {r['GBps']:.1f} ({share:.2f})")
 
 
 def plot(context, rows, out):
