@@ -487,8 +487,8 @@ void BM_ReadLoop(benchmark::State& state) {
 // = Hq / Hkv = 4 multiply-adds, one per query row of a kv head (weights in registers, no reduction, no store, no
 // software prefetch), as decode's Q·Kᵀ and P·V meet each K and V vector with its G rows: the rate at which the core
 // streams those bytes while it does decode's arithmetic, which neither BM_ReadLoop (no arithmetic) nor BM_FmaPeak (no
-// reads) shows. Args {Skv, threads}. Accumulators: 4 rows × 4 vectors on 32-register tags, 4 × 2 on AVX2 (16
-// registers), enough to cover the FMA latency.
+// reads) shows. Args {Skv, threads}. Accumulators: 4 rows × 4 vectors on 16-lane tags (AVX-512, 32 registers), else
+// 4 × 2 (AVX2's 16 registers), enough to cover the FMA latency.
 void BM_ReadFmaLoop(benchmark::State& state) {
   const Index Skv = state.range(0), Hkv = 8, D = 128, G = 4;
   const int threads = static_cast<int>(state.range(1));
