@@ -431,6 +431,29 @@ void BM_FusedDecode(benchmark::State& state) {
   set_threads(1);
 }
 
+// The read loops' team: `threads` OpenMP threads (one without OpenMP), each calling sum_range(begin, end) over its
+// contiguous share of [0, n) (shares start at multiples of `step`, the last ends at n), and the sum of what they
+// return.
+template <class SumRange>
+float team_sum(int threads, std::size_t n, std::size_t step, SumRange&& sum_range) {
+  float total = 0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+#endif
+  {
+    int thread = 0, team = 1;
+#if defined(_OPENMP)
+    thread = omp_get_thread_num();
+    team = omp_get_num_threads();
+#endif
+    const std::size_t begin = n / std::size_t(team) * std::size_t(thread) / step * step;
+    const std::size_t end = thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / step * step;
+    total += sum_range(begin, end);
+  }
+  (void)threads;
+  return total;
+}
+
 // A plain read loop over the bytes decode reads (K and V of the same size): the bandwidth there. Args {Skv, threads,
 // offset}: the bytes start `offset` bytes past a cache line (a multiple of a float's size, below 64). On one Zen 4
 // thread the loop read about a tenth faster from DRAM with its 512-bit loads straddling lines (offset 16) than on lines
@@ -449,21 +472,9 @@ void BM_ReadLoop(benchmark::State& state) {
   const float* const data = storage.data() + offset_bytes / sizeof(float);
   using Tag = qkv::simd::BestTag;
   constexpr int L = Tag::kLanes;
+  // Each thread sums a contiguous share with four independent accumulators: bound by memory, not by add latency.
   const auto read = [&] {
-    float total = 0;
-    // Each thread sums a contiguous half with four independent accumulators: bound by memory, not by add latency.
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-#endif
-    {
-      int thread = 0, team = 1;
-#if defined(_OPENMP)
-      thread = omp_get_thread_num();
-      team = omp_get_num_threads();
-#endif
-      const std::size_t begin = n / std::size_t(team) * std::size_t(thread) / (4 * L) * (4 * L);
-      const std::size_t end =
-          thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / (4 * L) * (4 * L);
+    benchmark::DoNotOptimize(team_sum(threads, n, 4 * L, [&](std::size_t begin, std::size_t end) {
       auto a0 = qkv::simd::zero(Tag()), a1 = a0, a2 = a0, a3 = a0;
       for (std::size_t e = begin; e < end; e += 4 * L) {
         a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data + e));
@@ -471,13 +482,11 @@ void BM_ReadLoop(benchmark::State& state) {
         a2 = qkv::simd::add(a2, qkv::simd::load(Tag(), data + e + 2 * L));
         a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data + e + 3 * L));
       }
-      total += qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
-    }
-    benchmark::DoNotOptimize(total);
+      return qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
+    }));
   };
   read();  // as BM_FusedDecode: the first pass over freshly written memory is not timed
   for (auto _ : state) read();
-  (void)threads;
   state.counters["GBps"] =
       benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(label("read loop"));
@@ -499,25 +508,13 @@ void BM_ReadFmaLoop(benchmark::State& state) {
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes, kColumns = L >= 16 ? 4 : 2;
   const auto read = [&] {
-    float total = 0;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-#endif
-    {
-      int thread = 0, team = 1;
-#if defined(_OPENMP)
-      thread = omp_get_thread_num();
-      team = omp_get_num_threads();
-#endif
-      const std::size_t step = std::size_t(kColumns * L);
-      const std::size_t begin = n / std::size_t(team) * std::size_t(thread) / step * step;
-      const std::size_t end = thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / step * step;
+    benchmark::DoNotOptimize(team_sum(threads, n, kColumns * L, [&](std::size_t begin, std::size_t end) {
       const Vec w[G] = {qkv::simd::set1(Tag(), 0.5f), qkv::simd::set1(Tag(), -0.25f), qkv::simd::set1(Tag(), 0.125f),
                         qkv::simd::set1(Tag(), 2.0f)};
       Vec acc[G][kColumns];
       for (auto& row : acc)
         for (auto& a : row) a = qkv::simd::zero(Tag());
-      for (std::size_t e = begin; e < end; e += step) {
+      for (std::size_t e = begin; e < end; e += kColumns * L) {
         for (int c = 0; c < kColumns; ++c) {
           const Vec x = qkv::simd::load(Tag(), data + e + std::size_t(c * L));
           for (int r = 0; r < G; ++r) acc[r][c] = qkv::simd::fmadd(w[r], x, acc[r][c]);
@@ -526,13 +523,11 @@ void BM_ReadFmaLoop(benchmark::State& state) {
       Vec sum = qkv::simd::zero(Tag());
       for (auto& row : acc)
         for (auto& a : row) sum = qkv::simd::add(sum, a);
-      total += qkv::simd::reduce_sum(Tag(), sum);
-    }
-    benchmark::DoNotOptimize(total);
+      return qkv::simd::reduce_sum(Tag(), sum);
+    }));
   };
   read();  // as BM_ReadLoop: the first pass over freshly written memory is not timed
   for (auto _ : state) read();
-  (void)threads;
   state.counters["GBps"] =
       benchmark::Counter(double(n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GFLOPS"] =
