@@ -24,9 +24,10 @@
 # every case.
 # --decode times one decoding step of A and B alternately (B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, Skv
 # keys; layout bshd or bhsd; K and V stored as float, f16 or bf16, q and out float) and prints the median microseconds
-# and GB/s of K and V of each, the median of the per-round ratios B / A and whether the outputs are bit-identical; each
-# call after a read of 128 MiB (K and V from memory), or with `cached` after an untimed call of the same side (K and
-# V from the cache where they fit: the micro-kernels' speed).
+# and GB/s of K and V of each, its share of a read loop over the same K and V timed in every round (the median of the
+# per-round ratios read loop / call), the median of the per-round ratios B / A and whether the outputs are
+# bit-identical; each call after a read of 128 MiB (K and V from memory), or with `cached` after an untimed call of the
+# same side (K and V from the cache where they fit: the micro-kernels' speed).
 # Environment:
 #   CXX            compiler (default clang++)
 #   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,
@@ -35,7 +36,7 @@
 #                  as the noise rule of bench/README.md was measured. A build whose instructions this CPU lacks (the
 #                  compiler's ISA macros against /proc/cpuinfo; -march=x86-64-v4 on an AVX2-only CPU) is compiled, not
 #                  run.
-#   QKV_AB_THREADS OpenMP threads per call of the speed mode and of --backward (default 1), with -fopenmp in
+#   QKV_AB_THREADS OpenMP threads per call of the speed mode, --backward and --decode (default 1), with -fopenmp in
 #                  QKV_AB_FLAGS, e.g. QKV_AB_FLAGS="-O3 -march=native -fopenmp" QKV_AB_THREADS=2
 #                  OMP_WAIT_POLICY=active; the FMA loop they print stays on one thread.
 #   QKV_AB_KV_OFFSET, QKV_AB_B_KV_OFFSET

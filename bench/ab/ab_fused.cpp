@@ -53,18 +53,24 @@
 //   ab_fused --backward-list       the backward case names.
 //   ab_fused --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]  (the last three in any order)
 //                                  speed of one decoding step (defaults bshd f16 32768 16): B = 1, Sq = 1, Hq = 32 (or
-//                                  N, a multiple of 8), Hkv = 8, D = Dv = 128 (or N), fused, one thread; layout bshd
-//                                  (token-major) or bhsd; K and V stored as float, f16 (Eigen::half) or bf16
-//                                  (Eigen::bfloat16), rounded once from random normal floats; q and out float. A and B
-//                                  alternate as in --backward, each round after the FMA loop, each call after an
-//                                  untimed read of 128 MiB (so that neither finds K and V in the cache the other left).
-//                                  Prints the median microseconds of each version with the GB/s of K and V it reads
-//                                  (2·Skv·Hkv·D·sizeof(storage) bytes per call), the median of the per-round ratios B /
-//                                  A with their range, how many rounds B won, and whether A's and B's outputs are
-//                                  bit-identical. With `cached`, each timed call comes right after an untimed call of
-//                                  the same side instead of the read of 128 MiB: K and V then come from the cache where
-//                                  they fit (Skv = 2048 in float is 16 MiB), which is the micro-kernels' speed rather
-//                                  than the memory's.
+//                                  N, a multiple of 8), Hkv = 8, D = Dv = 128 (or N), fused, one thread
+//                                  (QKV_AB_THREADS as in speed mode); layout bshd (token-major) or bhsd; K and V stored
+//                                  as float, f16 (Eigen::half) or bf16 (Eigen::bfloat16), rounded once from random
+//                                  normal floats; q and out float. A and B alternate as in --backward, each round after
+//                                  the FMA loop, each call after an untimed read of 128 MiB (so that neither finds K
+//                                  and V in the cache the other left); each round then times a read loop over A's K and
+//                                  V (their bytes, where they lie; as many threads; prepared like the calls). Prints
+//                                  the median microseconds of each version with the GB/s of K and V it reads
+//                                  (2·Skv·Hkv·D·sizeof(storage) bytes per call) and its share of the read loop (the
+//                                  issue's decode measure, taken in one process: the median of the per-round ratios
+//                                  read loop / call, and the ratio of the two medians, as scripts/plot_bench.py takes
+//                                  it; where they differ, the rounds spread), the read loop's median, the median of
+//                                  the per-round ratios B / A
+//                                  with their range, how many rounds B won, and whether A's and B's outputs are
+//                                  bit-identical. With `cached`, each timed call (and read loop) comes right after an
+//                                  untimed one of its own instead of the read of 128 MiB: K and V then come from the
+//                                  cache where they fit (Skv = 2048 in float is 16 MiB), which is the micro-kernels'
+//                                  speed rather than the memory's.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -128,19 +134,25 @@ void interleaved_round(int r, const Measure& measure, const RunA& run_a, const R
 }
 
 // `rounds` interleaved rounds, each after the FMA loop, and the per-round ratios B / A (a ratio per round cancels the
-// machine's drift between rounds, which a ratio of medians would not): the backward and decode speed modes.
+// machine's drift between rounds, which a ratio of medians would not): the backward and decode speed modes. Each round
+// ends with after_round(), which the decode mode uses to time its read loop in the same round.
 struct PairedRounds {
   std::vector<double> a, b, ratio;
   int b_faster = 0;
 };
-template <class Measure, class RunA, class RunB>
-PairedRounds paired_rounds(int rounds, const Measure& measure, const RunA& run_a, const RunB& run_b) {
+struct NoOp {
+  void operator()() const {}
+};
+template <class Measure, class RunA, class RunB, class AfterRound = NoOp>
+PairedRounds paired_rounds(int rounds, const Measure& measure, const RunA& run_a, const RunB& run_b,
+                           const AfterRound& after_round = NoOp()) {
   PairedRounds p;
   for (int r = 0; r < rounds; ++r) {
     fma_loop_gflops();
     interleaved_round(r, measure, run_a, run_b, p.a, p.b);
     p.ratio.push_back(p.b.back() / p.a.back());  // this round's pair, whichever ran first
     p.b_faster += p.b.back() < p.a.back();
+    after_round();
   }
   return p;
 }
@@ -1184,9 +1196,45 @@ class PlacedArray {
   S* first_;
 };
 
+// The read loop of the decode mode: sums the n floats from `data` (any alignment) with four accumulators of A's best
+// vector tag on `threads` OpenMP threads, each over a contiguous share, as bench_attention's BM_ReadLoop does: the
+// speed at which this machine reads those bytes from where they lie. 16-bit K and V are read as the floats their
+// bytes make (the bytes' speed, whatever the values). Returns the sum, for the caller to keep alive.
+float read_floats(const float* data, std::size_t n, int threads) {
+  using Tag = qkv::simd::BestTag;
+  constexpr std::size_t kStep = 4 * static_cast<std::size_t>(Tag::kLanes);
+  float total = 0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+#endif
+  {
+    int thread = 0, team = 1;
+#if defined(_OPENMP)
+    thread = omp_get_thread_num();
+    team = omp_get_num_threads();
+#endif
+    const std::size_t whole = n / kStep * kStep, share = whole / std::size_t(team) / kStep * kStep;
+    const std::size_t begin = share * std::size_t(thread), end = thread == team - 1 ? n : begin + share;
+    auto a0 = qkv::simd::zero(Tag()), a1 = a0, a2 = a0, a3 = a0;
+    std::size_t e = begin;
+    for (; e + kStep <= end; e += kStep) {
+      a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data + e));
+      a1 = qkv::simd::add(a1, qkv::simd::load(Tag(), data + e + Tag::kLanes));
+      a2 = qkv::simd::add(a2, qkv::simd::load(Tag(), data + e + 2 * Tag::kLanes));
+      a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data + e + 3 * Tag::kLanes));
+    }
+    float sum = qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
+    for (; e < end; ++e) sum += data[e];
+    total += sum;
+  }
+  (void)threads;
+  return total;
+}
+
 // Speed of one decoding step: B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv (128 unless given), Skv keys, K and V stored as
-// S (rounded once from random normal floats), q and out float, one thread; A and B alternate as in the backward's
-// speed mode.
+// S (rounded once from random normal floats), q and out float, one thread (QKV_AB_THREADS as in speed mode); A and B
+// alternate as in the backward's speed mode, and each round then times the read loop over A's K and V (read_floats),
+// prepared as the calls are: each side's share of it is the median of the per-round ratios read loop / call.
 template <class S>
 int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, bool cached, long D, long Hq) {
   const long Hkv = 8;
@@ -1212,7 +1260,8 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   std::printf("K and V %d and %d bytes past a 64-byte boundary for A, %d and %d for B\n", k.offset(), v.offset(),
               k_of_b.offset(), v_of_b.offset());
 
-  set_threads(1);
+  const int threads = speed_threads();
+  set_threads(threads);
   SideA::Options options_a;
   options_a.backend = qkv::Backend::fused;
   SideB::Options options_b;
@@ -1244,17 +1293,37 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
     return now() - t0;
   };
 
+  // The read loop over the bytes A's calls read, timed like them (after the eviction, or after an untimed pass).
+  const std::size_t kv_floats = kv_size * sizeof(S) / sizeof(float);
+  const auto read_kv = [&] {
+    volatile float sink = read_floats(reinterpret_cast<const float*>(k.data()), kv_floats, threads) +
+                          read_floats(reinterpret_cast<const float*>(v.data()), kv_floats, threads);
+    (void)sink;
+  };
+  std::vector<double> read;
   run_a();  // warm-up: page faults of both kernels' scratch
   run_b();
-  const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b);
+  read_kv();
+  const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b, [&] { read.push_back(seconds(read_kv)); });
+  std::vector<double> share_a, share_b;  // per round: read loop / call
+  for (std::size_t r = 0; r < read.size(); ++r) {
+    share_a.push_back(read[r] / p.a[r]);
+    share_b.push_back(read[r] / p.b[r]);
+  }
   const double kv_bytes = 2.0 * double(kv_size) * double(sizeof(S));
   std::printf(
-      "decode Skv=%ld %s %s K/V%s (B = 1, Sq = 1, Hq = %ld, Hkv = 8, D = Dv = %ld), one thread, %d rounds; "
+      "decode Skv=%ld %s %s K/V%s (B = 1, Sq = 1, Hq = %ld, Hkv = 8, D = Dv = %ld), %d thread%s, %d rounds; "
       "A = qkv (%s), B = qkv_b (%s)\n",
-      Skv, layout == Layout::bhsd ? "bhsd" : "bshd", storage, cached ? ", cached" : "", Hq, D, rounds, qkv::isa_name(),
-      qkv_b::isa_name());
-  std::printf("A median %9.1f us (%6.1f GB/s of K and V)\n", median_of(p.a) * 1e6, kv_bytes / median_of(p.a) * 1e-9);
-  std::printf("B median %9.1f us (%6.1f GB/s of K and V)\n", median_of(p.b) * 1e6, kv_bytes / median_of(p.b) * 1e-9);
+      Skv, layout == Layout::bhsd ? "bhsd" : "bshd", storage, cached ? ", cached" : "", Hq, D, threads,
+      threads == 1 ? "" : "s", rounds, qkv::isa_name(), qkv_b::isa_name());
+  std::printf("A median %9.1f us (%6.1f GB/s of K and V); of the read loop %.3f (per round), %.3f (of the medians)\n",
+              median_of(p.a) * 1e6, kv_bytes / median_of(p.a) * 1e-9, median_of(share_a),
+              median_of(read) / median_of(p.a));
+  std::printf("B median %9.1f us (%6.1f GB/s of K and V); of the read loop %.3f (per round), %.3f (of the medians)\n",
+              median_of(p.b) * 1e6, kv_bytes / median_of(p.b) * 1e-9, median_of(share_b),
+              median_of(read) / median_of(p.b));
+  std::printf("read loop over A's K and V: median %9.1f us (%6.1f GB/s)\n", median_of(read) * 1e6,
+              kv_bytes / median_of(read) * 1e-9);
   print_ratios(p);
   const BitDiff diff = compare_bits(out_a, out_b);
   if (diff.values == 0) {
@@ -1280,7 +1349,8 @@ int usage(const char* argv0) {
                "       %s --backward-list            backward case names\n"
                "       %s --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]\n"
                "           decode speed (defaults bshd f16 32768 16; layout bshd or bhsd, storage float, f16 or bf16\n"
-               "           for K and V; B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, one thread;\n"
+               "           for K and V; B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, one thread\n"
+               "           or QKV_AB_THREADS; each round also times a read loop over K and V;\n"
                "           cached: K and V left in the cache by an untimed call, not evicted; the last three in any\n"
                "           order)\n",
                argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
