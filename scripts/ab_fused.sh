@@ -24,10 +24,11 @@
 # every case.
 # --decode times one decoding step of A and B alternately (B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, Skv
 # keys; layout bshd or bhsd; K and V stored as float, f16 or bf16, q and out float) and prints the median microseconds
-# and GB/s of K and V of each, its share of a read loop over the same K and V timed in every round (the median of the
-# per-round ratios read loop / call), the median of the per-round ratios B / A and whether the outputs are
-# bit-identical; each call after a read of 128 MiB (K and V from memory), or with `cached` after an untimed call of the
-# same side (K and V from the cache where they fit: the micro-kernels' speed).
+# and GB/s of K and V of each and its share of a read loop over A's K and V timed in every round (the median of the
+# per-round ratios read loop / call, and the ratio of the medians), the read loop's median, the median of the per-round
+# ratios B / A and whether the outputs are bit-identical; each call after a read of 128 MiB (K and V from memory), or
+# with `cached` after an untimed call of the same side (K and V from the cache where they fit: the micro-kernels'
+# speed).
 # Environment:
 #   CXX            compiler (default clang++)
 #   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,

@@ -63,14 +63,14 @@
 //                                  the median microseconds of each version with the GB/s of K and V it reads
 //                                  (2·Skv·Hkv·D·sizeof(storage) bytes per call) and its share of the read loop (the
 //                                  issue's decode measure, taken in one process: the median of the per-round ratios
-//                                  read loop / call, and the ratio of the two medians, as scripts/plot_bench.py takes
-//                                  it; where they differ, the rounds spread), the read loop's median, the median of
-//                                  the per-round ratios B / A
-//                                  with their range, how many rounds B won, and whether A's and B's outputs are
-//                                  bit-identical. With `cached`, each timed call (and read loop) comes right after an
-//                                  untimed one of its own instead of the read of 128 MiB: K and V then come from the
-//                                  cache where they fit (Skv = 2048 in float is 16 MiB), which is the micro-kernels'
-//                                  speed rather than the memory's.
+//                                  read loop / call, and the ratio of the two medians, which is how
+//                                  scripts/plot_bench.py takes float rows; where they differ, the rounds spread; for
+//                                  16-bit K and V this loop reads their own bytes, not a float loop's), the read
+//                                  loop's median, the median of the per-round ratios B / A with their range, how many
+//                                  rounds B won, and whether A's and B's outputs are bit-identical. With `cached`, each
+//                                  timed call (and read loop) comes right after an untimed one of its own instead of
+//                                  the read of 128 MiB: K and V then come from the cache where they fit (Skv = 2048 in
+//                                  float is 16 MiB), which is the micro-kernels' speed rather than the memory's.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -182,6 +182,15 @@ void set_threads(int n) {
 int speed_threads() {
   const char* threads = std::getenv("QKV_AB_THREADS");
   return threads != nullptr ? std::max(1, std::atoi(threads)) : 1;
+}
+
+// The threads a qkv call would run now (after set_threads): one in a build without OpenMP, whatever was asked.
+int call_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
 }
 
 // Outputs whose bits differ (a NaN on one side counts; max would skip it), the bits in which they differ, and the
@@ -947,8 +956,8 @@ int backward_speed_mode(long T, long D, bool causal, int rounds, float dropout_p
   run_b();
   const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b);
   std::printf(
-      "backward T=%ld D=%ld causal=%d (B = 1, H = 8, BHSD), one thread, %d rounds; A = qkv (%s), B = qkv_b (%s)\n", T,
-      D, int(causal), rounds, qkv::isa_name(), qkv_b::isa_name());
+      "backward T=%ld D=%ld causal=%d (B = 1, H = 8, BHSD), %d thread%s, %d rounds; A = qkv (%s), B = qkv_b (%s)\n", T,
+      D, int(causal), call_threads(), call_threads() == 1 ? "" : "s", rounds, qkv::isa_name(), qkv_b::isa_name());
   std::printf("A median %9.3f ms\n", median_of(p.a) * 1e3);
   std::printf("B median %9.3f ms\n", median_of(p.b) * 1e3);
   print_ratios(p);
@@ -1196,10 +1205,12 @@ class PlacedArray {
   S* first_;
 };
 
-// The read loop of the decode mode: sums the n floats from `data` (any alignment) with four accumulators of A's best
-// vector tag on `threads` OpenMP threads, each over a contiguous share, as bench_attention's BM_ReadLoop does: the
-// speed at which this machine reads those bytes from where they lie. 16-bit K and V are read as the floats their
-// bytes make (the bytes' speed, whatever the values). Returns the sum, for the caller to keep alive.
+// The read loop of the decode mode: sums the n floats from `data` with four accumulators of A's best vector tag on
+// `threads` OpenMP threads, each over a contiguous share, as bench_attention's BM_ReadLoop does: the speed at which
+// this machine reads those bytes from where they lie. 16-bit K and V are read as the floats their bytes make (the
+// bytes' speed, whatever the values), possibly 2 bytes off a float's alignment (QKV_AB_KV_OFFSET): the vector tags'
+// loads are unaligned loads and the tail is copied with memcpy; the scalar tag's loads are plain float reads, which
+// x86 performs at any alignment. Returns the sum, for the caller to keep alive.
 float read_floats(const float* data, std::size_t n, int threads) {
   using Tag = qkv::simd::BestTag;
   constexpr std::size_t kStep = 4 * static_cast<std::size_t>(Tag::kLanes);
@@ -1224,7 +1235,11 @@ float read_floats(const float* data, std::size_t n, int threads) {
       a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data + e + 3 * Tag::kLanes));
     }
     float sum = qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
-    for (; e < end; ++e) sum += data[e];
+    for (; e < end; ++e) {
+      float x;
+      std::memcpy(&x, reinterpret_cast<const unsigned char*>(data) + e * sizeof(float), sizeof x);
+      sum += x;
+    }
     total += sum;
   }
   (void)threads;
@@ -1234,7 +1249,8 @@ float read_floats(const float* data, std::size_t n, int threads) {
 // Speed of one decoding step: B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv (128 unless given), Skv keys, K and V stored as
 // S (rounded once from random normal floats), q and out float, one thread (QKV_AB_THREADS as in speed mode); A and B
 // alternate as in the backward's speed mode, and each round then times the read loop over A's K and V (read_floats),
-// prepared as the calls are: each side's share of it is the median of the per-round ratios read loop / call.
+// prepared as the calls are: each side's share of it is printed as the median of the per-round ratios read loop /
+// call and as the ratio of the medians.
 template <class S>
 int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, bool cached, long D, long Hq) {
   const long Hkv = 8;
@@ -1260,8 +1276,8 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   std::printf("K and V %d and %d bytes past a 64-byte boundary for A, %d and %d for B\n", k.offset(), v.offset(),
               k_of_b.offset(), v_of_b.offset());
 
-  const int threads = speed_threads();
-  set_threads(threads);
+  set_threads(speed_threads());
+  const int threads = call_threads();  // the calls' and the read loop's
   SideA::Options options_a;
   options_a.backend = qkv::Backend::fused;
   SideB::Options options_b;
@@ -1350,7 +1366,7 @@ int usage(const char* argv0) {
                "       %s --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]\n"
                "           decode speed (defaults bshd f16 32768 16; layout bshd or bhsd, storage float, f16 or bf16\n"
                "           for K and V; B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, one thread\n"
-               "           or QKV_AB_THREADS; each round also times a read loop over K and V;\n"
+               "           or QKV_AB_THREADS; each round also times a read loop over A's K and V;\n"
                "           cached: K and V left in the cache by an untimed call, not evicted; the last three in any\n"
                "           order)\n",
                argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
