@@ -36,6 +36,7 @@
 #include "qkv/detail/cache_line_allocator.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/simd/simd.hpp"
+#include "read_loop.hpp"
 #include "support/counting_allocator.hpp"  // replaces operator new in this executable: alloc_MiB
 
 namespace {
@@ -431,29 +432,6 @@ void BM_FusedDecode(benchmark::State& state) {
   set_threads(1);
 }
 
-// The read loops' team: `threads` OpenMP threads (one without OpenMP), each calling sum_range(begin, end) over its
-// contiguous share of [0, n) (shares start at multiples of `step`, the last ends at n), and the sum of what they
-// return.
-template <class SumRange>
-float team_sum(int threads, std::size_t n, std::size_t step, SumRange&& sum_range) {
-  float total = 0;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-#endif
-  {
-    int thread = 0, team = 1;
-#if defined(_OPENMP)
-    thread = omp_get_thread_num();
-    team = omp_get_num_threads();
-#endif
-    const std::size_t begin = n / std::size_t(team) * std::size_t(thread) / step * step;
-    const std::size_t end = thread == team - 1 ? n : n / std::size_t(team) * std::size_t(thread + 1) / step * step;
-    total += sum_range(begin, end);
-  }
-  (void)threads;
-  return total;
-}
-
 // A plain read loop over the bytes decode reads (K and V of the same size): the bandwidth there. Args {Skv, threads,
 // offset}: the bytes start `offset` bytes past a cache line (a multiple of a float's size, below 64). On one Zen 4
 // thread the loop read about a tenth faster from DRAM with its 512-bit loads straddling lines (offset 16) than on lines
@@ -470,21 +448,7 @@ void BM_ReadLoop(benchmark::State& state) {
   const std::size_t n = std::size_t(2 * Hkv * Skv * D);
   const auto storage = stored_as<float, LineVector<float>>(random_vector(n + 64 / sizeof(float), 4));
   const float* const data = storage.data() + offset_bytes / sizeof(float);
-  using Tag = qkv::simd::BestTag;
-  constexpr int L = Tag::kLanes;
-  // Each thread sums a contiguous share with four independent accumulators: bound by memory, not by add latency.
-  const auto read = [&] {
-    benchmark::DoNotOptimize(team_sum(threads, n, 4 * L, [&](std::size_t begin, std::size_t end) {
-      auto a0 = qkv::simd::zero(Tag()), a1 = a0, a2 = a0, a3 = a0;
-      for (std::size_t e = begin; e < end; e += 4 * L) {
-        a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data + e));
-        a1 = qkv::simd::add(a1, qkv::simd::load(Tag(), data + e + L));
-        a2 = qkv::simd::add(a2, qkv::simd::load(Tag(), data + e + 2 * L));
-        a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data + e + 3 * L));
-      }
-      return qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
-    }));
-  };
+  const auto read = [&] { benchmark::DoNotOptimize(qkv_bench::read_floats(data, n, threads)); };
   read();  // as BM_FusedDecode: the first pass over freshly written memory is not timed
   for (auto _ : state) read();
   state.counters["GBps"] =
@@ -508,7 +472,7 @@ void BM_ReadFmaLoop(benchmark::State& state) {
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes, kColumns = L >= 16 ? 4 : 2;
   const auto read = [&] {
-    benchmark::DoNotOptimize(team_sum(threads, n, kColumns * L, [&](std::size_t begin, std::size_t end) {
+    benchmark::DoNotOptimize(qkv_bench::team_sum(threads, n, kColumns * L, [&](std::size_t begin, std::size_t end) {
       const Vec w[G] = {qkv::simd::set1(Tag(), 0.5f), qkv::simd::set1(Tag(), -0.25f), qkv::simd::set1(Tag(), 0.125f),
                         qkv::simd::set1(Tag(), 2.0f)};
       Vec acc[G][kColumns];

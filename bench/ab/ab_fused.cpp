@@ -93,7 +93,8 @@
 #include <omp.h>
 #endif
 
-#include "../fma_loop.hpp"  // A's qkv::simd, before A's macros are undefined
+#include "../fma_loop.hpp"   // A's qkv::simd, before A's macros are undefined
+#include "../read_loop.hpp"  // likewise
 #include "qkv/qkv.hpp"
 #include "undef_a.hpp"  // written by the script: #undef of every QKV_ macro A's headers define
 #define qkv qkv_b
@@ -1205,52 +1206,11 @@ class PlacedArray {
   S* first_;
 };
 
-// The read loop of the decode mode: sums the n floats from `data` with four accumulators of A's best vector tag on
-// `threads` OpenMP threads, each over a contiguous share, as bench_attention's BM_ReadLoop does: the speed at which
-// this machine reads those bytes from where they lie. 16-bit K and V are read as the floats their bytes make (the
-// bytes' speed, whatever the values), possibly 2 bytes off a float's alignment (QKV_AB_KV_OFFSET): the vector tags'
-// loads are unaligned loads and the tail is copied with memcpy; the scalar tag's loads are plain float reads, which
-// x86 performs at any alignment. Returns the sum, for the caller to keep alive.
-float read_floats(const float* data, std::size_t n, int threads) {
-  using Tag = qkv::simd::BestTag;
-  constexpr std::size_t kStep = 4 * static_cast<std::size_t>(Tag::kLanes);
-  float total = 0;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-#endif
-  {
-    int thread = 0, team = 1;
-#if defined(_OPENMP)
-    thread = omp_get_thread_num();
-    team = omp_get_num_threads();
-#endif
-    const std::size_t whole = n / kStep * kStep, share = whole / std::size_t(team) / kStep * kStep;
-    const std::size_t begin = share * std::size_t(thread), end = thread == team - 1 ? n : begin + share;
-    auto a0 = qkv::simd::zero(Tag()), a1 = a0, a2 = a0, a3 = a0;
-    std::size_t e = begin;
-    for (; e + kStep <= end; e += kStep) {
-      a0 = qkv::simd::add(a0, qkv::simd::load(Tag(), data + e));
-      a1 = qkv::simd::add(a1, qkv::simd::load(Tag(), data + e + Tag::kLanes));
-      a2 = qkv::simd::add(a2, qkv::simd::load(Tag(), data + e + 2 * Tag::kLanes));
-      a3 = qkv::simd::add(a3, qkv::simd::load(Tag(), data + e + 3 * Tag::kLanes));
-    }
-    float sum = qkv::simd::reduce_sum(Tag(), qkv::simd::add(qkv::simd::add(a0, a1), qkv::simd::add(a2, a3)));
-    for (; e < end; ++e) {
-      float x;
-      std::memcpy(&x, reinterpret_cast<const unsigned char*>(data) + e * sizeof(float), sizeof x);
-      sum += x;
-    }
-    total += sum;
-  }
-  (void)threads;
-  return total;
-}
-
 // Speed of one decoding step: B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv (128 unless given), Skv keys, K and V stored as
 // S (rounded once from random normal floats), q and out float, one thread (QKV_AB_THREADS as in speed mode); A and B
-// alternate as in the backward's speed mode, and each round then times the read loop over A's K and V (read_floats),
-// prepared as the calls are: each side's share of it is printed as the median of the per-round ratios read loop /
-// call and as the ratio of the medians.
+// alternate as in the backward's speed mode, and each round then times the read loop over A's K and V
+// (bench/read_loop.hpp), prepared as the calls are: each side's share of it is printed as the median of the per-round
+// ratios read loop / call and as the ratio of the medians.
 template <class S>
 int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, bool cached, long D, long Hq) {
   const long Hkv = 8;
@@ -1312,8 +1272,8 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   // The read loop over the bytes A's calls read, timed like them (after the eviction, or after an untimed pass).
   const std::size_t kv_floats = kv_size * sizeof(S) / sizeof(float);
   const auto read_kv = [&] {
-    volatile float sink = read_floats(reinterpret_cast<const float*>(k.data()), kv_floats, threads) +
-                          read_floats(reinterpret_cast<const float*>(v.data()), kv_floats, threads);
+    volatile float sink = qkv_bench::read_floats(reinterpret_cast<const float*>(k.data()), kv_floats, threads) +
+                          qkv_bench::read_floats(reinterpret_cast<const float*>(v.data()), kv_floats, threads);
     (void)sink;
   };
   std::vector<double> read;
