@@ -11,6 +11,7 @@
 #   bash scripts/ab_fused.sh REV_A REV_B --backward-list              # the backward's case names
 #   bash scripts/ab_fused.sh REV_A REV_B --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]
 #                                                                     # decode speed; defaults: bshd f16 32768 16
+#   bash scripts/ab_fused.sh REV_A REV_B --micro [keys rounds]       # the decoding micro-kernels; defaults 1024 100
 #
 # REV_A, REV_B: git revisions, or `.` for the working tree. --bits runs each case (a shape × an option preset; the list
 # and the reason for each are in the driver) through both versions at 1 and 2 OpenMP threads, prints one line per
@@ -29,6 +30,9 @@
 # ratios B / A and whether the outputs are bit-identical; each call after a read of 128 MiB (K and V from memory), or
 # with `cached` after an untimed call of the same side (K and V from the cache where they fit: the micro-kernels'
 # speed).
+# --micro times the decoding micro-kernels of A and B alone (Q·Kᵀ and P·V of one kv head, 4 rows, D = 128, float K
+# and V over `keys` keys, without and with a prefetch cursor) and prints each one's share of the FMA loop, B / A and
+# whether their results are bit-identical; the driver says more.
 # Environment:
 #   CXX            compiler (default clang++)
 #   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,
@@ -54,7 +58,8 @@
 # attention, view_bhsd, view_bshd, TensorView, AttentionOptions, isa_name) will not compile. The backward modes also
 # need attention_backward and the dropout options (116a439 on); only they compile the driver's backward code
 # (-DQKV_AB_BACKWARD), so the other modes still build against revisions before it. Likewise --decode needs the 16-bit
-# overloads of attention (c220239 on) and alone compiles the driver's decode code (-DQKV_AB_DECODE).
+# overloads of attention (c220239 on) and alone compiles the driver's decode code (-DQKV_AB_DECODE); --micro names
+# the decoding micro-kernels (602204a on) and alone compiles the driver's code for them (-DQKV_AB_MICRO).
 # Examples: does the working tree beat the last commit on D = 64?   bash scripts/ab_fused.sh HEAD . 64 1024 20 0
 #           are its bits those of the last commit on every ISA?    QKV_AB_ISAS="x86-64 x86-64-v3 native" \
 #                                                                    bash scripts/ab_fused.sh HEAD . --bits
@@ -63,7 +68,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 usage="usage: scripts/ab_fused.sh REV_A REV_B [D T rounds causal | --bits [--perturb] [NAME...] | --time NAME [rounds]"
 usage+=" | --list | --backward [T D causal rounds dropout_p] | --backward-bits [--perturb] [NAME...] | --backward-list"
-usage+=" | --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]]"
+usage+=" | --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]] | --micro [keys rounds]]"
 rev_a=${1:?$usage}
 rev_b=${2:?$usage}
 shift 2
@@ -74,6 +79,7 @@ openmp=()
 mode_define=()  # the driver's code of the backward modes and of --decode is compiled for them alone
 [[ ${args[0]} == --backward* ]] && mode_define=(-DQKV_AB_BACKWARD)
 [[ ${args[0]} == --decode ]] && mode_define=(-DQKV_AB_DECODE)
+[[ ${args[0]} == --micro ]] && mode_define=(-DQKV_AB_MICRO)
 work=build/ab
 rm -rf "$work/a" "$work/b"
 mkdir -p "$work/a" "$work/b/B"

@@ -8,7 +8,8 @@
 // options, which exist from 116a439 on: they are compiled only with QKV_AB_BACKWARD defined (the script defines it
 // for those modes alone), so that the forward modes still build against older revisions. Likewise the decode mode
 // calls the 16-bit overloads of attention (c220239 on) and is compiled only with QKV_AB_DECODE (defined for --decode
-// alone). Modes:
+// alone), and the micro-kernel mode names the decoding micro-kernels of the pass this build's -march reaches (602204a
+// on) and is compiled only with QKV_AB_MICRO (defined for --micro alone). Modes:
 //
 //   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread (QKV_AB_THREADS=N: N threads, in a
 //                                  build with -fopenmp; the FMA loop stays on one). Calls alternate A, B (B, A on odd
@@ -71,6 +72,18 @@
 //                                  timed call (and read loop) comes right after an untimed one of its own instead of
 //                                  the read of 128 MiB: K and V then come from the cache where they fit (Skv = 2048 in
 //                                  float is 16 MiB), which is the micro-kernels' speed rather than the memory's.
+//   ab_fused --micro [keys rounds] the decoding micro-kernels alone (defaults 1024 100): Q·Kᵀ and P·V of one kv head
+//                                  (4 query rows, D = Dv = 128, float K and V head-major) over `keys` keys, in calls of
+//                                  32 keys as a paced head-major task makes them, without and with a PrefetchCursor
+//                                  over the next call's rows; A's and B's of the pass the build reaches. Each form of A
+//                                  and B alternates as in --backward, between two FMA loops, on the same inputs and
+//                                  output buffers. Prints per form each side's median share of the FMA loop timed right
+//                                  after its pair, the median of the per-round ratios B / A, the rounds B won and
+//                                  whether the scores or outputs are bit-identical (exit 1 if not). With K and V in L1
+//                                  (64 keys), L2 (1024) or L3 (16384), it separates the micro-kernels' arithmetic from
+//                                  the rest of a decoding call. Against itself the cursor forms differ by up to 8 %
+//                                  (Q·Kᵀ) and 3 % (P·V) with the code's placement (bench/README.md, "2026-12-07,
+//                                  thirty-eighth session"): pair a change against its own A = B run.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -83,6 +96,7 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -1312,6 +1326,173 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
 }
 #endif  // QKV_AB_DECODE
 
+#if defined(QKV_AB_MICRO)
+
+// The micro-kernel mode. Compiled only with QKV_AB_MICRO (the script defines it for --micro alone): it calls the
+// decoding micro-kernels of each side's best compiled pass by their internal names (detail/decode_kernels.hpp:
+// qk_in_place, pv_in_place, PrefetchCursor, NextRows, as they are from 602204a on), which the other modes never name.
+// The pass is the one this build's -march reaches (AVX-512, AVX2 with FMA, or scalar), as it is for both sides.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define QKV_AB_MICRO_PASS kernel_avx512
+#define QKV_AB_MICRO_TAG Avx512Tag
+#define QKV_AB_MICRO_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QKV_AB_MICRO_PASS kernel_avx2
+#define QKV_AB_MICRO_TAG Avx2Tag
+#define QKV_AB_MICRO_ISA "avx2"
+#else
+#define QKV_AB_MICRO_PASS kernel_scalar
+#define QKV_AB_MICRO_TAG ScalarTag
+#define QKV_AB_MICRO_ISA "scalar"
+#endif
+
+// The four micro-kernel forms one side runs over `keys` keys of one kv head (4 query rows, D = Dv = 128, float K and
+// V, rows D apart: head-major), in calls over sub-blocks of kSub keys as a paced head-major decoding task makes them
+// (fused_attention.hpp, run_decode_task: 32 keys of 128 floats): Q·Kᵀ and P·V without a cursor (each step prefetching
+// a few rows ahead inside its call), and with one over the next sub-block (the lines a paced task hands its steps,
+// flushed after the call), the P·V steps then also naming the next sub-block as the rows their reading goes on with.
+#define QKV_AB_MICRO_SIDE(Side, ns)                                                                                   \
+  struct Side {                                                                                                       \
+    using Tag = ns::simd::QKV_AB_MICRO_TAG;                                                                           \
+    template <class T>                                                                                                \
+    using Cursor = ns::detail::QKV_AB_MICRO_PASS::PrefetchCursor<T>;                                                  \
+    static constexpr Index kQkStep = ns::detail::QKV_AB_MICRO_PASS::kQkKeysPerStep<Tag>;                              \
+    static constexpr Index kPvStep = ns::detail::QKV_AB_MICRO_PASS::kPvKeysPerStep<Tag>;                              \
+    static Index steps(Index keys, Index per_step) { return (keys + per_step - 1) / per_step; }                       \
+    static void qk(bool paced, const float* q, const float* k, Index keys, float* s, Index lds) {                     \
+      for (Index j = 0; j < keys; j += kSub) {                                                                        \
+        const Index n = std::min(kSub, keys - j);                                                                     \
+        Cursor<float> ahead(k + (j + n) * kD, kD, std::min(kSub, keys - j - n), kD, steps(n, kQkStep));               \
+        ns::detail::QKV_AB_MICRO_PASS::qk_in_place<Tag, 4, 3>(q, kD, k + j * kD, kD, n, kD, s + j, lds,               \
+                                                              paced ? &ahead : nullptr);                              \
+        if (paced) ahead.flush();                                                                                     \
+      }                                                                                                               \
+    }                                                                                                                 \
+    static void pv(bool paced, const float* p, Index ldp, const float* v, Index keys, float* o) {                     \
+      for (Index j = 0; j < keys; j += kSub) {                                                                        \
+        const Index n = std::min(kSub, keys - j), next = std::min(kSub, keys - j - n);                                \
+        Cursor<float> ahead(v + (j + n) * kD, kD, next, kD, steps(n, kPvStep));                                       \
+        const ns::detail::QKV_AB_MICRO_PASS::NextRows<float> rows{next > 0 ? v + (j + n) * kD : nullptr, next};       \
+        if (paced) {                                                                                                  \
+          ns::detail::QKV_AB_MICRO_PASS::pv_in_place<Tag, 4, float>(p + j, ldp, v + j * kD, kD, n, o, kD, kD, &ahead, \
+                                                                    rows);                                            \
+          ahead.flush();                                                                                              \
+        } else {                                                                                                      \
+          ns::detail::QKV_AB_MICRO_PASS::pv_in_place<Tag, 4, float>(p + j, ldp, v + j * kD, kD, n, o, kD, kD);        \
+        }                                                                                                             \
+      }                                                                                                               \
+    }                                                                                                                 \
+  };
+constexpr Index kD = 128, kSub = 32;
+QKV_AB_MICRO_SIDE(MicroA, qkv)
+QKV_AB_MICRO_SIDE(MicroB, qkv_b)
+#undef QKV_AB_MICRO_SIDE
+
+// --micro: each form of A and B timed alternately (as --backward pairs its calls), each round between two FMA loops,
+// each timing of passes over the keys (as many as make 4 MiB of K or V, at least one) after an untimed pass of its own
+// (K or V then come from wherever `keys` rows of 512 bytes fit: 64 keys, 32 KiB, in L1; 1024 in L2; 16384 in L3 on the
+// CPUs measured so far). Prints per form the median over rounds of each
+// side's GFLOPS (2 · 4 · 128 per key) over the FMA loop timed right after the pair, the median of the per-round ratios
+// B / A, the rounds B won, and whether the scores or outputs are bit-identical (exit 1 if not).
+// Floats on 64-byte boundaries (cache lines, and every vector width's alignment), as the kernel keeps its scores and
+// outputs: with a std::vector's 16 bytes past a line, A's and B's outputs would straddle lines differently.
+class LineFloats {
+ public:
+  explicit LineFloats(std::size_t n, float value)
+      : data_(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))), n_(n) {
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::fill(data_, data_ + n_, value);
+  }
+  LineFloats(const LineFloats&) = delete;
+  LineFloats& operator=(const LineFloats&) = delete;
+  ~LineFloats() { std::free(data_); }
+  float* data() const noexcept { return data_; }
+  float* begin() const noexcept { return data_; }
+  float* end() const noexcept { return data_ + n_; }
+  std::vector<float> copy() const { return std::vector<float>(data_, data_ + n_); }
+
+ private:
+  float* data_;
+  std::size_t n_;
+};
+
+int micro_mode(Index keys, int rounds) {
+  const Index lds = keys;
+  LineFloats q(4 * kD, 0.0f), k(static_cast<std::size_t>(keys * kD), 0.0f),
+      v(static_cast<std::size_t>(keys * kD), 0.0f);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  for (const LineFloats* x : {&q, &k, &v})
+    for (float& e : *x) e = normal(rng);
+  LineFloats p(static_cast<std::size_t>(4 * lds), 0.0f);
+  for (float& e : p) e = std::abs(normal(rng)) / static_cast<float>(keys);  // weights of a softmax's size
+  // One buffer of scores and one of outputs for both sides, so that neither side's stores fall elsewhere against K and
+  // V modulo the 4 KiB that loads and stores are first matched on (a P·V of A against itself took 0.91–1.08 of the
+  // time with one buffer each); each side's result is taken after the rounds.
+  LineFloats s(static_cast<std::size_t>(4 * lds), kNaN), o(4 * kD, 0.0f);
+  // Passes per timing: at least 2^20 elements of K or V (4 MiB), so that a timing of few keys is not the clock's.
+  const int passes = static_cast<int>(std::max<Index>(1, (Index(1) << 20) / (keys * kD)));
+  const double flops = 2.0 * 4 * double(kD) * double(keys) * passes;
+  const auto seconds = [passes](auto&& f) {
+    f();  // untimed: K or V where this pass leaves them
+    const double t0 = now();
+    for (int i = 0; i < passes; ++i) f();
+    return now() - t0;
+  };
+  // The pass this build's -march reaches, on both sides (not isa_name(): the library may dispatch to a wider one).
+  std::printf(
+      "micro-kernels of the %s pass, 4 rows, D = Dv = %ld, float K and V, %ld keys (%ld KiB each of K and V) in "
+      "calls of %ld, %d passes per timing, %d rounds, one thread; A = qkv, B = qkv_b\n",
+      QKV_AB_MICRO_ISA, static_cast<long>(kD), static_cast<long>(keys), static_cast<long>(keys * kD * 4 / 1024),
+      static_cast<long>(kSub), passes, rounds);
+  int status = 0;
+  for (const bool paced : {false, true}) {
+    for (const bool qk : {true, false}) {
+      const auto run_a = [&] {
+        if (qk) {
+          MicroA::qk(paced, q.data(), k.data(), keys, s.data(), lds);
+        } else {
+          std::fill(o.begin(), o.end(), 0.0f);
+          MicroA::pv(paced, p.data(), lds, v.data(), keys, o.data());
+        }
+      };
+      const auto run_b = [&] {
+        if (qk) {
+          MicroB::qk(paced, q.data(), k.data(), keys, s.data(), lds);
+        } else {
+          std::fill(o.begin(), o.end(), 0.0f);
+          MicroB::pv(paced, p.data(), lds, v.data(), keys, o.data());
+        }
+      };
+      std::vector<double> fma;  // an FMA loop timed after each round's pair, beside the one before it
+      const PairedRounds r = paired_rounds(rounds, seconds, run_a, run_b, [&] { fma.push_back(fma_loop_gflops()); });
+      std::vector<double> share_a, share_b;
+      for (std::size_t i = 0; i < r.a.size(); ++i) {
+        share_a.push_back(flops / r.a[i] * 1e-9 / fma[i]);
+        share_b.push_back(flops / r.b[i] * 1e-9 / fma[i]);
+      }
+      const LineFloats& result = qk ? s : o;
+      std::fill(result.begin(), result.end(), kNaN);
+      run_a();
+      const std::vector<float> of_a = result.copy();
+      std::fill(result.begin(), result.end(), kNaN);
+      run_b();
+      const bool same = compare_bits(of_a, result.copy()).values == 0;
+      std::printf("%s, %s: of the FMA loop (median %.1f GFLOPS) A %.3f, B %.3f\n", qk ? "Q·Kᵀ" : "P·V",
+                  paced ? "cursor" : "no cursor", median_of(fma), median_of(share_a), median_of(share_b));
+      std::printf("      ");
+      print_ratios(r);
+      std::printf("      %s of A and B: %s\n", qk ? "scores" : "outputs", same ? "bit-identical" : "DIFFER");
+      if (!same) status = 1;
+    }
+  }
+  return status;
+}
+#undef QKV_AB_MICRO_PASS
+#undef QKV_AB_MICRO_TAG
+#undef QKV_AB_MICRO_ISA
+#endif  // QKV_AB_MICRO
+
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s D T rounds causal          speed (B = 1, H = 8, Sq = Skv = T, float, one thread)\n"
@@ -1328,8 +1509,11 @@ int usage(const char* argv0) {
                "           for K and V; B = 1, Sq = 1, Hq = 32 or N, Hkv = 8, D = Dv = 128 or N, one thread\n"
                "           or QKV_AB_THREADS; each round also times a read loop over A's K and V;\n"
                "           cached: K and V left in the cache by an untimed call, not evicted; the last three in any\n"
-               "           order)\n",
-               argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
+               "           order)\n"
+               "       %s --micro [keys rounds]\n"
+               "           the decoding micro-kernels alone (defaults 1024 100): Q·Kᵀ and P·V of one kv head, 4 rows,\n"
+               "           D = 128, float, with and without a cursor, against the FMA loop\n",
+               argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0, argv0);
   return 2;
 }
 
@@ -1431,6 +1615,22 @@ int main(int argc, char** argv) {
     return decode_speed_mode<float>(layout, "float", Skv, rounds, cached, D, Hq);
 #else
     std::fprintf(stderr, "%s: built without the decode mode (scripts/ab_fused.sh defines QKV_AB_DECODE for it)\n",
+                 argv[0]);
+    return 2;
+#endif
+  }
+  if (mode == "--micro") {
+#if defined(QKV_AB_MICRO)
+    if (argc > 4) return usage(argv[0]);
+    const long keys = argc > 2 ? std::atol(argv[2]) : 1024;
+    const int rounds = argc > 3 ? std::atoi(argv[3]) : 100;
+    if (keys < 1 || rounds < 1) {
+      std::fprintf(stderr, "keys and rounds must be at least 1\n");
+      return 2;
+    }
+    return micro_mode(keys, rounds);
+#else
+    std::fprintf(stderr, "%s: built without the micro-kernel mode (scripts/ab_fused.sh defines QKV_AB_MICRO for it)\n",
                  argv[0]);
     return 2;
 #endif
