@@ -31,8 +31,8 @@
 # with `cached` after an untimed call of the same side (K and V from the cache where they fit: the micro-kernels'
 # speed).
 # --micro times the decoding micro-kernels of A and B alone (Q·Kᵀ and P·V of one kv head, 4 rows, D = 128, float K
-# and V over `keys` keys, without and with a prefetch cursor) and prints each one's share of the FMA loop, B / A and
-# whether their results are bit-identical; the driver says more.
+# and V over `keys` keys, as unpaced and paced head-major tasks call them) and prints each one's share of the FMA loop,
+# B / A and whether their results are bit-identical; the driver says more.
 # Environment:
 #   CXX            compiler (default clang++)
 #   QKV_AB_FLAGS   compiler flags (default -O3 -march=native); e.g. "-O2 -march=x86-64" builds the scalar path,
@@ -59,7 +59,7 @@
 # need attention_backward and the dropout options (116a439 on); only they compile the driver's backward code
 # (-DQKV_AB_BACKWARD), so the other modes still build against revisions before it. Likewise --decode needs the 16-bit
 # overloads of attention (c220239 on) and alone compiles the driver's decode code (-DQKV_AB_DECODE); --micro names
-# the decoding micro-kernels (602204a on) and alone compiles the driver's code for them (-DQKV_AB_MICRO).
+# the decoding micro-kernels (37e39c7 on) and alone compiles the driver's code for them (-DQKV_AB_MICRO).
 # Examples: does the working tree beat the last commit on D = 64?   bash scripts/ab_fused.sh HEAD . 64 1024 20 0
 #           are its bits those of the last commit on every ISA?    QKV_AB_ISAS="x86-64 x86-64-v3 native" \
 #                                                                    bash scripts/ab_fused.sh HEAD . --bits
@@ -76,7 +76,7 @@ args=("$@")
 ((${#args[@]})) || args=(128 1024 20 0)
 openmp=()
 [[ ${args[0]} == --bits || ${args[0]} == --backward-bits ]] && openmp=(-fopenmp)
-mode_define=()  # the driver's code of the backward modes and of --decode is compiled for them alone
+mode_define=()  # the driver's code of the backward modes, of --decode and of --micro is compiled for them alone
 [[ ${args[0]} == --backward* ]] && mode_define=(-DQKV_AB_BACKWARD)
 [[ ${args[0]} == --decode ]] && mode_define=(-DQKV_AB_DECODE)
 [[ ${args[0]} == --micro ]] && mode_define=(-DQKV_AB_MICRO)

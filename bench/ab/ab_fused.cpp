@@ -73,17 +73,18 @@
 //                                  the read of 128 MiB: K and V then come from the cache where they fit (Skv = 2048 in
 //                                  float is 16 MiB), which is the micro-kernels' speed rather than the memory's.
 //   ab_fused --micro [keys rounds] the decoding micro-kernels alone (defaults 1024 100): Q·Kᵀ and P·V of one kv head
-//                                  (4 query rows, D = Dv = 128, float K and V head-major) over `keys` keys, in calls of
-//                                  32 keys as a paced head-major task makes them, without and with a PrefetchCursor
-//                                  over the next call's rows; A's and B's of the pass the build reaches. Each form of A
-//                                  and B alternates as in --backward, between two FMA loops, on the same inputs and
-//                                  output buffers. Prints per form each side's median share of the FMA loop timed right
-//                                  after its pair, the median of the per-round ratios B / A, the rounds B won and
-//                                  whether the scores or outputs are bit-identical (exit 1 if not). With K and V in L1
-//                                  (64 keys), L2 (1024) or L3 (16384), it separates the micro-kernels' arithmetic from
-//                                  the rest of a decoding call. Against itself the cursor forms differ by up to 8 %
-//                                  (Q·Kᵀ) and 3 % (P·V) with the code's placement (bench/README.md, "2026-12-07,
-//                                  thirty-eighth session"): pair a change against its own A = B run.
+//                                  (4 query rows, D = Dv = 128, float K and V head-major) over `keys` keys, as a
+//                                  head-major decoding task calls them: without a cursor over blocks of 1024 keys (an
+//                                  unpaced task), and with a PrefetchCursor over the next call's rows in calls of 32
+//                                  keys (a paced one); A's and B's of the pass config.hpp picks for the build's -march.
+//                                  Each form of A and B alternates as in --backward, between two FMA loops, on the
+//                                  same inputs and output buffers. Prints per form each side's median share of the FMA
+//                                  loop timed right after its pair, the median of the per-round ratios B / A, the
+//                                  rounds B won and whether the scores or outputs are bit-identical (exit 1 if not).
+//                                  With K and V in L1 (64 keys), L2 (1024) or L3 (16384), it times the micro-kernels
+//                                  apart from the rest of a decoding call. Against itself A's and B's cursor forms
+//                                  have differed with where their copy's code lies (bench/README.md, "2026-12-07,
+//                                  thirty-eighth session"): pair a change beside its own A = B run.
 #include <algorithm>
 #include <array>
 #include <bitset>
@@ -1175,17 +1176,11 @@ int backward_bits_mode(const std::vector<std::string>& filters, bool perturb) {
 }
 #endif  // QKV_AB_BACKWARD
 
-#if defined(QKV_AB_DECODE)
-// ---------------------------------------------------------------------------------------------------------------------
-// The decode speed mode. Compiled only with QKV_AB_DECODE (the script defines it for --decode alone): the 16-bit
-// overloads of attention (K and V as Eigen::half or Eigen::bfloat16) exist from c220239 on, and the other modes must
-// still build against older revisions.
-
 /// n elements of S in a std::vector's storage, starting where the vector puts them (`offset` null or empty) or
 /// `offset` bytes (a decimal count, a multiple of sizeof(S) below 64) past the first 64-byte boundary in it; a copy
-/// of `other` so placed when constructed from it. The decode mode's K and V: where their rows start against the
-/// cache lines moves decode's speed (bench/README.md, "2026-12-06, thirtieth session"). Exits with a message for any
-/// other offset.
+/// of `other` so placed when constructed from it. The decode mode's K and V (and the micro-kernel mode's arrays): where
+/// their rows start against the cache lines moves decode's speed (bench/README.md, "2026-12-06, thirtieth session").
+/// Exits with a message for any other offset.
 template <class S>
 class PlacedArray {
  public:
@@ -1219,6 +1214,12 @@ class PlacedArray {
   std::size_t n_;
   S* first_;
 };
+
+#if defined(QKV_AB_DECODE)
+// ---------------------------------------------------------------------------------------------------------------------
+// The decode speed mode. Compiled only with QKV_AB_DECODE (the script defines it for --decode alone): the 16-bit
+// overloads of attention (K and V as Eigen::half or Eigen::bfloat16) exist from c220239 on, and the other modes must
+// still build against older revisions.
 
 // Speed of one decoding step: B = 1, Sq = 1, Hq = 32, Hkv = 8, D = Dv (128 unless given), Skv keys, K and V stored as
 // S (rounded once from random normal floats), q and out float, one thread (QKV_AB_THREADS as in speed mode); A and B
@@ -1327,16 +1328,17 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
 #endif  // QKV_AB_DECODE
 
 #if defined(QKV_AB_MICRO)
-
+// ---------------------------------------------------------------------------------------------------------------------
 // The micro-kernel mode. Compiled only with QKV_AB_MICRO (the script defines it for --micro alone): it calls the
-// decoding micro-kernels of each side's best compiled pass by their internal names (detail/decode_kernels.hpp:
-// qk_in_place, pv_in_place, PrefetchCursor, NextRows, as they are from 602204a on), which the other modes never name.
-// The pass is the one this build's -march reaches (AVX-512, AVX2 with FMA, or scalar), as it is for both sides.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+// decoding micro-kernels of each side's widest compiled pass by their internal names (detail/decode_kernels.hpp:
+// qk_in_place, pv_in_place, PrefetchCursor, NextRows, kQkKeysPerStep, kPvKeysPerStep; fused_tiles.hpp: FusedTiles, as
+// they are from 37e39c7 on), which the other modes never name. The pass is the one config.hpp picks for this build's
+// -march (B's QKV_ISA_ macros; A's are undefined by now, and both sides see the same flags).
+#if defined(QKV_ISA_AVX512)
 #define QKV_AB_MICRO_PASS kernel_avx512
 #define QKV_AB_MICRO_TAG Avx512Tag
 #define QKV_AB_MICRO_ISA "avx512"
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(QKV_ISA_AVX2)
 #define QKV_AB_MICRO_PASS kernel_avx2
 #define QKV_AB_MICRO_TAG Avx2Tag
 #define QKV_AB_MICRO_ISA "avx2"
@@ -1346,105 +1348,95 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
 #define QKV_AB_MICRO_ISA "scalar"
 #endif
 
-// The four micro-kernel forms one side runs over `keys` keys of one kv head (4 query rows, D = Dv = 128, float K and
-// V, rows D apart: head-major), in calls over sub-blocks of kSub keys as a paced head-major decoding task makes them
-// (fused_attention.hpp, run_decode_task: 32 keys of 128 floats): Q·Kᵀ and P·V without a cursor (each step prefetching
-// a few rows ahead inside its call), and with one over the next sub-block (the lines a paced task hands its steps,
-// flushed after the call), the P·V steps then also naming the next sub-block as the rows their reading goes on with.
-#define QKV_AB_MICRO_SIDE(Side, ns)                                                                                   \
-  struct Side {                                                                                                       \
-    using Tag = ns::simd::QKV_AB_MICRO_TAG;                                                                           \
-    template <class T>                                                                                                \
-    using Cursor = ns::detail::QKV_AB_MICRO_PASS::PrefetchCursor<T>;                                                  \
-    static constexpr Index kQkStep = ns::detail::QKV_AB_MICRO_PASS::kQkKeysPerStep<Tag>;                              \
-    static constexpr Index kPvStep = ns::detail::QKV_AB_MICRO_PASS::kPvKeysPerStep<Tag>;                              \
-    static Index steps(Index keys, Index per_step) { return (keys + per_step - 1) / per_step; }                       \
-    static void qk(bool paced, const float* q, const float* k, Index keys, float* s, Index lds) {                     \
-      for (Index j = 0; j < keys; j += kSub) {                                                                        \
-        const Index n = std::min(kSub, keys - j);                                                                     \
-        Cursor<float> ahead(k + (j + n) * kD, kD, std::min(kSub, keys - j - n), kD, steps(n, kQkStep));               \
-        ns::detail::QKV_AB_MICRO_PASS::qk_in_place<Tag, 4, 3>(q, kD, k + j * kD, kD, n, kD, s + j, lds,               \
-                                                              paced ? &ahead : nullptr);                              \
-        if (paced) ahead.flush();                                                                                     \
-      }                                                                                                               \
-    }                                                                                                                 \
-    static void pv(bool paced, const float* p, Index ldp, const float* v, Index keys, float* o) {                     \
-      for (Index j = 0; j < keys; j += kSub) {                                                                        \
-        const Index n = std::min(kSub, keys - j), next = std::min(kSub, keys - j - n);                                \
-        Cursor<float> ahead(v + (j + n) * kD, kD, next, kD, steps(n, kPvStep));                                       \
-        const ns::detail::QKV_AB_MICRO_PASS::NextRows<float> rows{next > 0 ? v + (j + n) * kD : nullptr, next};       \
-        if (paced) {                                                                                                  \
-          ns::detail::QKV_AB_MICRO_PASS::pv_in_place<Tag, 4, float>(p + j, ldp, v + j * kD, kD, n, o, kD, kD, &ahead, \
-                                                                    rows);                                            \
-          ahead.flush();                                                                                              \
-        } else {                                                                                                      \
-          ns::detail::QKV_AB_MICRO_PASS::pv_in_place<Tag, 4, float>(p + j, ldp, v + j * kD, kD, n, o, kD, kD);        \
-        }                                                                                                             \
-      }                                                                                                               \
-    }                                                                                                                 \
+constexpr Index kMicroD = 128;  // D = Dv
+
+// The micro-kernels of one side over `keys` keys of one kv head (4 query rows, D = Dv = 128, float K and V head-major,
+// rows kMicroD apart), in the two shapes a head-major decoding task calls them (fused_attention.hpp, run_decode_task):
+// without a cursor over whole blocks of FusedTiles::kDecodeKeys keys (an unpaced task: each step prefetches its rows a
+// few keys ahead inside its call), and with one over sub-blocks of kDecodePacedBytes (32 keys of 128 floats), each call
+// handed a PrefetchCursor over the next sub-block's rows and its P·V naming them as the rows its reading goes on with
+// (a paced task, kHeadMajorPaced: float on 16 lanes in the copy whose prefetches go into L1; the last sub-block's
+// cursor is empty here, where the task's turns to the block's V or the next block's K). Both with every prefetch into
+// L1 (kLocality = 3) and P·V's default step (kPvKeysPerStep keys), as that copy does.
+#define QKV_AB_MICRO_SIDE(Side, ns)                                                                                    \
+  struct Side {                                                                                                        \
+    using Tag = ns::simd::QKV_AB_MICRO_TAG;                                                                            \
+    static_assert(std::is_same<Tag, ns::simd::BestTag>::value, "ab_fused: the micro pass is not the build's widest");  \
+    using Tiles = ns::detail::QKV_AB_MICRO_PASS::FusedTiles<Tag>;                                                      \
+    using Cursor = ns::detail::QKV_AB_MICRO_PASS::PrefetchCursor<float>;                                               \
+    static constexpr Index kQkStep = ns::detail::QKV_AB_MICRO_PASS::kQkKeysPerStep<Tag>;                               \
+    static constexpr Index kPvStep = ns::detail::QKV_AB_MICRO_PASS::kPvKeysPerStep<Tag>;                               \
+    static constexpr Index kSub = Tiles::kDecodePacedBytes / Index(sizeof(float)) / kMicroD / 4 * 4;                   \
+    static Index call_keys(bool paced) { return paced ? kSub : Tiles::kDecodeKeys; }                                   \
+    static Index steps(Index keys, Index per_step) { return (keys + per_step - 1) / per_step; }                        \
+    static void qk(bool paced, const float* q, const float* k, Index keys, float* s, Index lds) {                      \
+      for (Index j = 0; j < keys; j += call_keys(paced)) {                                                             \
+        const Index n = std::min(call_keys(paced), keys - j);                                                          \
+        if (!paced) {                                                                                                  \
+          ns::detail::QKV_AB_MICRO_PASS::qk_in_place<Tag, 4, 3>(q, kMicroD, k + j * kMicroD, kMicroD, n, kMicroD,      \
+                                                                s + j, lds);                                           \
+          continue;                                                                                                    \
+        }                                                                                                              \
+        Cursor ahead(k + (j + n) * kMicroD, kMicroD, std::min(kSub, keys - j - n), kMicroD, steps(n, kQkStep));        \
+        ns::detail::QKV_AB_MICRO_PASS::qk_in_place<Tag, 4, 3>(q, kMicroD, k + j * kMicroD, kMicroD, n, kMicroD, s + j, \
+                                                              lds, &ahead);                                            \
+        ahead.flush();                                                                                                 \
+      }                                                                                                                \
+    }                                                                                                                  \
+    static void pv(bool paced, const float* p, Index ldp, const float* v, Index keys, float* o) {                      \
+      for (Index j = 0; j < keys; j += call_keys(paced)) {                                                             \
+        const Index n = std::min(call_keys(paced), keys - j), next = std::min(kSub, keys - j - n);                     \
+        if (!paced) {                                                                                                  \
+          ns::detail::QKV_AB_MICRO_PASS::pv_in_place<Tag, 4, float>(p + j, ldp, v + j * kMicroD, kMicroD, n, o,        \
+                                                                    kMicroD, kMicroD);                                 \
+          continue;                                                                                                    \
+        }                                                                                                              \
+        Cursor ahead(v + (j + n) * kMicroD, kMicroD, next, kMicroD, steps(n, kPvStep));                                \
+        const ns::detail::QKV_AB_MICRO_PASS::NextRows<float> rows{next > 0 ? v + (j + n) * kMicroD : nullptr, next};   \
+        ns::detail::QKV_AB_MICRO_PASS::pv_in_place<Tag, 4, float>(p + j, ldp, v + j * kMicroD, kMicroD, n, o, kMicroD, \
+                                                                  kMicroD, &ahead, rows);                              \
+        ahead.flush();                                                                                                 \
+      }                                                                                                                \
+    }                                                                                                                  \
   };
-constexpr Index kD = 128, kSub = 32;
 QKV_AB_MICRO_SIDE(MicroA, qkv)
 QKV_AB_MICRO_SIDE(MicroB, qkv_b)
 #undef QKV_AB_MICRO_SIDE
 
-// --micro: each form of A and B timed alternately (as --backward pairs its calls), each round between two FMA loops,
-// each timing of passes over the keys (as many as make 4 MiB of K or V, at least one) after an untimed pass of its own
-// (K or V then come from wherever `keys` rows of 512 bytes fit: 64 keys, 32 KiB, in L1; 1024 in L2; 16384 in L3 on the
-// CPUs measured so far). Prints per form the median over rounds of each
-// side's GFLOPS (2 · 4 · 128 per key) over the FMA loop timed right after the pair, the median of the per-round ratios
-// B / A, the rounds B won, and whether the scores or outputs are bit-identical (exit 1 if not).
-// Floats on 64-byte boundaries (cache lines, and every vector width's alignment), as the kernel keeps its scores and
-// outputs: with a std::vector's 16 bytes past a line, A's and B's outputs would straddle lines differently.
-class LineFloats {
- public:
-  explicit LineFloats(std::size_t n, float value)
-      : data_(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))), n_(n) {
-    if (data_ == nullptr) throw std::bad_alloc();
-    std::fill(data_, data_ + n_, value);
-  }
-  LineFloats(const LineFloats&) = delete;
-  LineFloats& operator=(const LineFloats&) = delete;
-  ~LineFloats() { std::free(data_); }
-  float* data() const noexcept { return data_; }
-  float* begin() const noexcept { return data_; }
-  float* end() const noexcept { return data_ + n_; }
-  std::vector<float> copy() const { return std::vector<float>(data_, data_ + n_); }
-
- private:
-  float* data_;
-  std::size_t n_;
-};
-
-int micro_mode(Index keys, int rounds) {
+// --micro: each form of A and B timed alternately (as --backward pairs its calls), each round between two FMA loops;
+// each timing is of about 2^20 elements of K or V (passes over the keys, at least one) after an untimed pass of its
+// own, so that K or V come from wherever `keys` rows of 512 bytes fit (64 keys, 32 KiB, in L1; 1024 in L2; 16384 in
+// L3 on the CPUs measured so far). Both sides read the same inputs and write the same score and output buffers (one
+// buffer each made P·V of A against itself 0.84–1.16 of the time: two outputs lying differently against V modulo
+// 4 KiB, bench/README.md, "2026-12-07, thirty-eighth session"). P·V accumulates into its output over the passes; it
+// starts from zero only for the bit check. Prints per form the median over rounds of each side's GFLOPS (2 · 4 · 128
+// per key and pass) over the FMA loop timed right after the pair, the median of the per-round ratios B / A, the rounds
+// B won, and whether the scores or outputs of one pass are bit-identical (exit 1 if not).
+int micro_speed_mode(Index keys, int rounds) {
   const Index lds = keys;
-  LineFloats q(4 * kD, 0.0f), k(static_cast<std::size_t>(keys * kD), 0.0f),
-      v(static_cast<std::size_t>(keys * kD), 0.0f);
+  const char* on_lines = "0";  // every array on a 64-byte boundary, as the kernel keeps its scores and outputs
+  PlacedArray<float> q(4 * kMicroD, on_lines), k(static_cast<std::size_t>(keys * kMicroD), on_lines),
+      v(static_cast<std::size_t>(keys * kMicroD), on_lines), p(static_cast<std::size_t>(4 * lds), on_lines);
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  for (const LineFloats* x : {&q, &k, &v})
+  for (const PlacedArray<float>* x : {&q, &k, &v})
     for (float& e : *x) e = normal(rng);
-  LineFloats p(static_cast<std::size_t>(4 * lds), 0.0f);
   for (float& e : p) e = std::abs(normal(rng)) / static_cast<float>(keys);  // weights of a softmax's size
-  // One buffer of scores and one of outputs for both sides, so that neither side's stores fall elsewhere against K and
-  // V modulo the 4 KiB that loads and stores are first matched on (a P·V of A against itself took 0.91–1.08 of the
-  // time with one buffer each); each side's result is taken after the rounds.
-  LineFloats s(static_cast<std::size_t>(4 * lds), kNaN), o(4 * kD, 0.0f);
-  // Passes per timing: at least 2^20 elements of K or V (4 MiB), so that a timing of few keys is not the clock's.
-  const int passes = static_cast<int>(std::max<Index>(1, (Index(1) << 20) / (keys * kD)));
-  const double flops = 2.0 * 4 * double(kD) * double(keys) * passes;
+  PlacedArray<float> s(static_cast<std::size_t>(4 * lds), on_lines), o(4 * kMicroD, on_lines);
+  const int passes = static_cast<int>(
+      std::max<Index>(1, ((Index(1) << 20) + keys * kMicroD / 2) / (keys * kMicroD)));  // nearest count, at least 1
+  const double flops = 2.0 * 4 * double(kMicroD) * double(keys) * passes;
   const auto seconds = [passes](auto&& f) {
     f();  // untimed: K or V where this pass leaves them
     const double t0 = now();
     for (int i = 0; i < passes; ++i) f();
     return now() - t0;
   };
-  // The pass this build's -march reaches, on both sides (not isa_name(): the library may dispatch to a wider one).
   std::printf(
-      "micro-kernels of the %s pass, 4 rows, D = Dv = %ld, float K and V, %ld keys (%ld KiB each of K and V) in "
-      "calls of %ld, %d passes per timing, %d rounds, one thread; A = qkv, B = qkv_b\n",
-      QKV_AB_MICRO_ISA, static_cast<long>(kD), static_cast<long>(keys), static_cast<long>(keys * kD * 4 / 1024),
-      static_cast<long>(kSub), passes, rounds);
+      "micro-kernels of the %s pass, 4 rows, D = Dv = %ld, float K and V, %ld keys (%ld KiB each of K and V), "
+      "%d passes per timing, %d rounds, one thread; A = qkv, B = qkv_b\n",
+      QKV_AB_MICRO_ISA, static_cast<long>(kMicroD), static_cast<long>(keys),
+      static_cast<long>(keys * kMicroD * 4 / 1024), passes, rounds);
   int status = 0;
   for (const bool paced : {false, true}) {
     for (const bool qk : {true, false}) {
@@ -1452,7 +1444,6 @@ int micro_mode(Index keys, int rounds) {
         if (qk) {
           MicroA::qk(paced, q.data(), k.data(), keys, s.data(), lds);
         } else {
-          std::fill(o.begin(), o.end(), 0.0f);
           MicroA::pv(paced, p.data(), lds, v.data(), keys, o.data());
         }
       };
@@ -1460,7 +1451,6 @@ int micro_mode(Index keys, int rounds) {
         if (qk) {
           MicroB::qk(paced, q.data(), k.data(), keys, s.data(), lds);
         } else {
-          std::fill(o.begin(), o.end(), 0.0f);
           MicroB::pv(paced, p.data(), lds, v.data(), keys, o.data());
         }
       };
@@ -1471,13 +1461,15 @@ int micro_mode(Index keys, int rounds) {
         share_a.push_back(flops / r.a[i] * 1e-9 / fma[i]);
         share_b.push_back(flops / r.b[i] * 1e-9 / fma[i]);
       }
-      const LineFloats& result = qk ? s : o;
-      std::fill(result.begin(), result.end(), kNaN);
+      // One pass of each side from the same start: NaN scores (every one is written), zero outputs.
+      PlacedArray<float>& result = qk ? s : o;
+      const float start = qk ? kNaN : 0.0f;
+      std::fill(result.begin(), result.end(), start);
       run_a();
-      const std::vector<float> of_a = result.copy();
-      std::fill(result.begin(), result.end(), kNaN);
+      const std::vector<float> of_a(result.begin(), result.end());
+      std::fill(result.begin(), result.end(), start);
       run_b();
-      const bool same = compare_bits(of_a, result.copy()).values == 0;
+      const bool same = compare_bits(of_a, std::vector<float>(result.begin(), result.end())).values == 0;
       std::printf("%s, %s: of the FMA loop (median %.1f GFLOPS) A %.3f, B %.3f\n", qk ? "Q·Kᵀ" : "P·V",
                   paced ? "cursor" : "no cursor", median_of(fma), median_of(share_a), median_of(share_b));
       std::printf("      ");
@@ -1628,7 +1620,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "keys and rounds must be at least 1\n");
       return 2;
     }
-    return micro_mode(keys, rounds);
+    return micro_speed_mode(keys, rounds);
 #else
     std::fprintf(stderr, "%s: built without the micro-kernel mode (scripts/ab_fused.sh defines QKV_AB_MICRO for it)\n",
                  argv[0]);
