@@ -8,7 +8,7 @@
 // options, which exist from 116a439 on: they are compiled only with QKV_AB_BACKWARD defined (the script defines it
 // for those modes alone), so that the forward modes still build against older revisions. Likewise the decode mode
 // calls the 16-bit overloads of attention (c220239 on) and is compiled only with QKV_AB_DECODE (defined for --decode
-// alone), and the micro-kernel mode names the decoding micro-kernels of the pass this build's -march reaches (602204a
+// alone), and the micro-kernel mode names the decoding micro-kernels of the pass this build's -march reaches (37e39c7
 // on) and is compiled only with QKV_AB_MICRO (defined for --micro alone). Modes:
 //
 //   ab_fused D T rounds causal     speed: B = 1, H = 8, Sq = Skv = T, one thread (QKV_AB_THREADS=N: N threads, in a
@@ -1407,7 +1407,7 @@ QKV_AB_MICRO_SIDE(MicroB, qkv_b)
 // each timing is of about 2^20 elements of K or V (passes over the keys, at least one) after an untimed pass of its
 // own, so that K or V come from wherever `keys` rows of 512 bytes fit (64 keys, 32 KiB, in L1; 1024 in L2; 16384 in
 // L3 on the CPUs measured so far). Both sides read the same inputs and write the same score and output buffers (one
-// buffer each made P·V of A against itself 0.84–1.16 of the time: two outputs lying differently against V modulo
+// buffer each made P·V of A against itself 0.83–1.17 of the time: two outputs lying differently against V modulo
 // 4 KiB, bench/README.md, "2026-12-07, thirty-eighth session"). P·V accumulates into its output over the passes; it
 // starts from zero only for the bit check. Prints per form the median over rounds of each side's GFLOPS (2 · 4 · 128
 // per key and pass) over the FMA loop timed right after the pair, the median of the per-round ratios B / A, the rounds
