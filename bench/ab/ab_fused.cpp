@@ -97,7 +97,6 @@
 #include <iterator>
 #include <limits>
 #include <memory>
-#include <new>
 #include <numeric>
 #include <optional>
 #include <random>
