@@ -19,6 +19,7 @@
 // scripts/plot_bench.py turns the JSON output into a plot and prints the complexity slopes.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -499,6 +500,87 @@ void BM_ReadFmaLoop(benchmark::State& state) {
   state.SetLabel(label("read loop with decode's FMAs"));
 }
 
+// Decode's per-key work with none of the kernel's bookkeeping: for each kv head (head-major K and V, float, on cache
+// lines) and block of 1024 keys, Q·Kᵀ of its G = 4 query rows over the block's K, NK keys a step (4 on 16-lane tags, 2
+// elsewhere: qk_in_place's steps), the 4 × NK sums reduced together (reduce_sum16 on AVX-512, else reduce_sum4) into
+// a score buffer in L1; then P·V over the block's V, NK keys a step, each of the 4 output rows (in L1) loaded, met by
+// NK multiply-adds per vector and stored (pv_in_place's steps). No softmax (the scores are the weights), no software
+// prefetch, no cursor, no calls, no packing. Each thread of the team takes whole kv heads. It answers what the loop of
+// decode's micro-kernels streams at by itself, beside BM_ReadLoop and BM_ReadFmaLoop over the same bytes; not an
+// attention (its output means nothing). Args {Skv, threads}.
+template <class Tag>
+float decode_step_heads(const float* k, const float* v, Index Skv, Index begin, Index end) {
+  using Vec = typename Tag::Vec;
+  constexpr int L = Tag::kLanes, R = 4, NK = L >= 16 ? 4 : 2;
+  constexpr Index D = 128, kBlockKeys = 1024;
+  alignas(64) float q[R * D], out[R * D], scores[R * kBlockKeys];
+  for (Index e = 0; e < R * D; ++e) q[e] = 0.01f * float(e % 7);
+  float total = 0;
+  for (Index h = begin; h < end; ++h) {
+    for (auto& o : out) o = 0;
+    for (Index block = 0; block < Skv; block += kBlockKeys) {
+      const Index keys = std::min(kBlockKeys, Skv - block);
+      const float* kb = k + (h * Skv + block) * D;
+      const float* vb = v + (h * Skv + block) * D;
+      for (Index j = 0; j + NK <= keys; j += NK) {
+        Vec acc[R * NK];
+        for (auto& a : acc) a = qkv::simd::zero(Tag());
+        for (Index d = 0; d < D; d += L) {
+          Vec kv[NK];
+          for (int c = 0; c < NK; ++c) kv[c] = qkv::simd::load(Tag(), kb + (j + c) * D + d);
+          for (int r = 0; r < R; ++r) {
+            const Vec qv = qkv::simd::load(Tag(), q + r * D + d);
+            for (int c = 0; c < NK; ++c) acc[r * NK + c] = qkv::simd::fmadd(qv, kv[c], acc[r * NK + c]);
+          }
+        }
+        float sums[R * NK];
+        if constexpr (R * NK == 16 && L >= 16) {
+          reduce_sum16(Tag(), acc, sums);  // found by argument-dependent lookup: declared on 16-lane tags only
+        } else {
+          for (int a = 0; a < R * NK; a += 4)
+            qkv::simd::reduce_sum4(Tag(), acc[a], acc[a + 1], acc[a + 2], acc[a + 3], sums + a);
+        }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < NK; ++c) scores[r * kBlockKeys + j + c] = sums[r * NK + c];
+      }
+      for (Index j = 0; j + NK <= keys; j += NK) {
+        Vec weight[R][NK];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < NK; ++c) weight[r][c] = qkv::simd::set1(Tag(), scores[r * kBlockKeys + j + c]);
+        for (Index d = 0; d < D; d += L) {
+          Vec vv[NK];
+          for (int c = 0; c < NK; ++c) vv[c] = qkv::simd::load(Tag(), vb + (j + c) * D + d);
+          for (int r = 0; r < R; ++r) {
+            Vec o = qkv::simd::load(Tag(), out + r * D + d);
+            for (int c = 0; c < NK; ++c) o = qkv::simd::fmadd(weight[r][c], vv[c], o);
+            qkv::simd::store(Tag(), out + r * D + d, o);
+          }
+        }
+      }
+    }
+    total += out[h % (R * D)];
+  }
+  return total;
+}
+
+void BM_DecodeStepLoop(benchmark::State& state) {
+  const Index Skv = state.range(0), Hkv = 8, D = 128;
+  const int threads = static_cast<int>(state.range(1));
+  const std::size_t n = std::size_t(Hkv * Skv * D);
+  const auto k = stored_as<float, LineVector<float>>(random_vector(n, 2));
+  const auto v = stored_as<float, LineVector<float>>(random_vector(n, 3));
+  const auto read = [&] {
+    benchmark::DoNotOptimize(qkv_bench::team_sum(threads, std::size_t(Hkv), 1, [&](std::size_t begin, std::size_t end) {
+      return decode_step_heads<qkv::simd::BestTag>(k.data(), v.data(), Skv, Index(begin), Index(end));
+    }));
+  };
+  read();  // as BM_ReadLoop: the first pass over freshly written memory is not timed
+  for (auto _ : state) read();
+  state.counters["GBps"] =
+      benchmark::Counter(double(2 * n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(label("decode's steps alone"));
+}
+
 void prefill_args(benchmark::internal::Benchmark* b) {
   for (int threads : {1, 2})
     for (Index T : {512, 1024, 2048, 4096, 16384})
@@ -560,6 +642,11 @@ BENCHMARK(BM_ReadLoop)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_ReadFmaLoop)
+    ->ArgsProduct({{2048, 32768}, {1, 2}})
+    ->ArgNames({"Skv", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeStepLoop)
     ->ArgsProduct({{2048, 32768}, {1, 2}})
     ->ArgNames({"Skv", "threads"})
     ->Unit(benchmark::kMicrosecond)

@@ -49,6 +49,10 @@
 #                  64-byte boundary, for both sides (unset or empty: where a std::vector puts them, 16 bytes past a
 #                  page with glibc); the second gives side B a copy of its own so placed, so that one run pairs two
 #                  placements (REV_A = REV_B).
+#   QKV_AB_DECODE_FMA
+#                  --decode only: 1 runs the FMA loop before each round, as every mode did until the thirty-ninth
+#                  session of bench/README.md (default: none; it slowed some decoding forms' reads from L3 more than
+#                  others').
 #   QKV_AB_ISAS    a list of -march values, e.g. "x86-64 x86-64-v3 x86-64-v4 native": one build per ISA (flags
 #                  QKV_AB_FLAGS, default -O3, then -march=ISA), each in build/ab/isa-ISA, each run in turn (or
 #                  compiled only, as above). Exit status 1 if any run fails.

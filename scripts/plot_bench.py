@@ -12,7 +12,7 @@ here), two-thread rows with an active team (a passive one slows them; bench/READ
 
     OMP_WAIT_POLICY=active ./build/bench/bench/bench_attention --benchmark_min_time=0.3 \\
         --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true \\
-        --benchmark_filter='BM_FmaPeak|BM_Read(Fma)?Loop/.*threads:2/|BM_FusedDecode/.*threads:2/' \\
+        --benchmark_filter='BM_FmaPeak|BM_(Read(Fma)?|DecodeStep)Loop/.*threads:2/|BM_FusedDecode/.*threads:2/' \\
         --benchmark_out=decode2.json --benchmark_out_format=json
     /usr/bin/python3 scripts/plot_bench.py decode2.json --no-plot
 
@@ -162,6 +162,20 @@ def decode_roofline(rows):
             read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
             share = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
             print(f"  Skv {r['Skv']:<6d} threads {r['threads']}: {r['GBps']:.1f} ({share:.2f})")
+    steps = pick(rows, "DecodeStepLoop")
+    if steps and reads:
+        # BM_DecodeStepLoop: decode's micro-kernel steps over head-major float K and V with none of the kernel's
+        # bookkeeping and no software prefetch; what the float decode rows read against it.
+        print("\nDecode's steps alone (GB/s, of the read loop's faster placement; float decode rows of it):")
+        for r in sorted(steps, key=lambda r: (r["Skv"], r["threads"])):
+            read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
+            share = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
+            rows_of = [x for x in pick(rows, "FusedDecode", Skv=r["Skv"], threads=r["threads"])
+                       if x.get("storage", 0) == 0]
+            of = ", ".join(f"{'bshd' if x.get('bshd') else 'bhsd'} {x['GBps'] / r['GBps']:.2f}"
+                           for x in sorted(rows_of, key=lambda x: x.get("bshd", 0)))
+            print(f"  Skv {r['Skv']:<6d} threads {r['threads']}: {r['GBps']:.1f} ({share:.2f})" +
+                  (f"; decode {of}" if of else ""))
 
 
 def plot(context, rows, out):

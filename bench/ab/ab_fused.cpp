@@ -54,24 +54,26 @@
 //   ab_fused --backward-list       the backward case names.
 //   ab_fused --decode [layout storage Skv rounds [cached] [D=N] [Hq=N]]  (the last three in any order)
 //                                  speed of one decoding step (defaults bshd f16 32768 16): B = 1, Sq = 1, Hq = 32 (or
-//                                  N, a multiple of 8), Hkv = 8, D = Dv = 128 (or N), fused, one thread
-//                                  (QKV_AB_THREADS as in speed mode); layout bshd (token-major) or bhsd; K and V stored
-//                                  as float, f16 (Eigen::half) or bf16 (Eigen::bfloat16), rounded once from random
-//                                  normal floats; q and out float. A and B alternate as in --backward, each round after
-//                                  the FMA loop, each call after an untimed read of 128 MiB (so that neither finds K
-//                                  and V in the cache the other left); each round then times a read loop over A's K and
-//                                  V (their bytes, where they lie; as many threads; prepared like the calls). Prints
-//                                  the median microseconds of each version with the GB/s of K and V it reads
-//                                  (2·Skv·Hkv·D·sizeof(storage) bytes per call) and its share of the read loop (the
-//                                  issue's decode measure, taken in one process: the median of the per-round ratios
-//                                  read loop / call, and the ratio of the two medians, which is how
-//                                  scripts/plot_bench.py takes float rows; where they differ, the rounds spread; for
-//                                  16-bit K and V this loop reads their own bytes, not a float loop's), the read
-//                                  loop's median, the median of the per-round ratios B / A with their range, how many
-//                                  rounds B won, and whether A's and B's outputs are bit-identical. With `cached`, each
-//                                  timed call (and read loop) comes right after an untimed one of its own instead of
-//                                  the read of 128 MiB: K and V then come from the cache where they fit (Skv = 2048 in
-//                                  float is 16 MiB), which is the micro-kernels' speed rather than the memory's.
+//                                  N, a multiple of 8), Hkv = 8, D = Dv = 128 (or N), fused, one thread (QKV_AB_THREADS
+//                                  as in speed mode); layout bshd (token-major) or bhsd; K and V stored as float, f16
+//                                  (Eigen::half) or bf16 (Eigen::bfloat16), rounded once from random normal floats; q
+//                                  and out float. A and B alternate as in --backward, but with no FMA loop before the
+//                                  rounds (QKV_AB_DECODE_FMA=1: one before each round, as until the thirty-ninth
+//                                  session of bench/README.md, whose L3 rows it slowed unevenly), each call after an
+//                                  untimed read of 128 MiB (so that neither finds K and V in the cache the other left);
+//                                  each round then times a read loop over A's K and V (their bytes, where they lie; as
+//                                  many threads; prepared like the calls). Prints the median microseconds of each
+//                                  version with the GB/s of K and V it reads (2·Skv·Hkv·D·sizeof(storage) bytes per
+//                                  call) and its share of the read loop (the decode measure, taken in one
+//                                  process: the median of the per-round ratios read loop / call, and the ratio of the
+//                                  two medians, which is how scripts/plot_bench.py takes float rows; where they differ,
+//                                  the rounds spread; for 16-bit K and V this loop reads their own bytes, not a float
+//                                  loop's), the read loop's median, the median of the per-round ratios B / A with their
+//                                  range, how many rounds B won, and whether A's and B's outputs are bit-identical.
+//                                  With `cached`, each timed call (and read loop) comes right after an untimed one of
+//                                  its own instead of the read of 128 MiB: K and V then come from the cache where they
+//                                  fit (Skv = 2048 in float is 16 MiB), which is the micro-kernels' speed rather than
+//                                  the memory's.
 //   ab_fused --micro [keys rounds] the decoding micro-kernels alone (defaults 1024 100): Q·Kᵀ and P·V of one kv head
 //                                  (4 query rows, D = Dv = 128, float K and V head-major) over `keys` keys, as a
 //                                  head-major decoding task calls them: without a cursor over blocks of 1024 keys (an
@@ -148,9 +150,10 @@ void interleaved_round(int r, const Measure& measure, const RunA& run_a, const R
   }
 }
 
-// `rounds` interleaved rounds, each after the FMA loop, and the per-round ratios B / A (a ratio per round cancels the
-// machine's drift between rounds, which a ratio of medians would not): the backward and decode speed modes. Each round
-// ends with after_round(), which the decode mode uses to time its read loop in the same round.
+// `rounds` interleaved rounds and the per-round ratios B / A (a ratio per round cancels the machine's drift between
+// rounds, which a ratio of medians would not): the backward and decode speed modes. Each round begins with
+// before_round(), the FMA loop unless the caller passes another (the decode mode runs none: see decode_speed_mode),
+// and ends with after_round(), which the decode mode uses to time its read loop in the same round.
 struct PairedRounds {
   std::vector<double> a, b, ratio;
   int b_faster = 0;
@@ -158,12 +161,15 @@ struct PairedRounds {
 struct NoOp {
   void operator()() const {}
 };
-template <class Measure, class RunA, class RunB, class AfterRound = NoOp>
+struct FmaLoop {
+  void operator()() const { fma_loop_gflops(); }
+};
+template <class Measure, class RunA, class RunB, class AfterRound = NoOp, class BeforeRound = FmaLoop>
 PairedRounds paired_rounds(int rounds, const Measure& measure, const RunA& run_a, const RunB& run_b,
-                           const AfterRound& after_round = NoOp()) {
+                           const AfterRound& after_round = NoOp(), const BeforeRound& before_round = FmaLoop()) {
   PairedRounds p;
   for (int r = 0; r < rounds; ++r) {
-    fma_loop_gflops();
+    before_round();
     interleaved_round(r, measure, run_a, run_b, p.a, p.b);
     p.ratio.push_back(p.b.back() / p.a.back());  // this round's pair, whichever ran first
     p.b_faster += p.b.back() < p.a.back();
@@ -1294,7 +1300,18 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   run_a();  // warm-up: page faults of both kernels' scratch
   run_b();
   read_kv();
-  const PairedRounds p = paired_rounds(rounds, seconds, run_a, run_b, [&] { read.push_back(seconds(read_kv)); });
+  // No FMA loop before each round, unless QKV_AB_DECODE_FMA=1 (the form of this mode until the thirty-ninth session of
+  // bench/README.md): after the loop's 18 ms of register FMAs this core read L3 more slowly for a while, and not every
+  // form alike. From L3 (head-major float, Skv = 2048, cached) the unpaced form (kHeadMajorPaced false) took 1.05-1.18
+  // of the paced form's time with the loop and 0.70-0.73 without it, while the paced form's own time did not move;
+  // from DRAM the same pair read 1.32-1.33 either way.
+  const char* with_fma = std::getenv("QKV_AB_DECODE_FMA");
+  const bool fma_first = with_fma != nullptr && std::string(with_fma) == "1";
+  const auto before_round = [&] {
+    if (fma_first) fma_loop_gflops();
+  };
+  const PairedRounds p = paired_rounds(
+      rounds, seconds, run_a, run_b, [&] { read.push_back(seconds(read_kv)); }, before_round);
   std::vector<double> share_a, share_b;  // per round: read loop / call
   for (std::size_t r = 0; r < read.size(); ++r) {
     share_a.push_back(read[r] / p.a[r]);
