@@ -506,8 +506,9 @@ void BM_ReadFmaLoop(benchmark::State& state) {
 // a score buffer in L1; then P·V over the block's V, NK keys a step, each of the 4 output rows (in L1) loaded, met by
 // NK multiply-adds per vector and stored (pv_in_place's steps). No softmax (the scores are the weights), no software
 // prefetch, no cursor, no calls, no packing. Each thread of the team takes whole kv heads. It answers what the loop of
-// decode's micro-kernels streams at by itself, beside BM_ReadLoop and BM_ReadFmaLoop over the same bytes; not an
-// attention (its output means nothing). Args {Skv, threads}.
+// decode's micro-kernels streams at by itself, beside BM_ReadLoop and BM_ReadFmaLoop over as many bytes (K and V here
+// are two arrays, theirs one); not an attention (its output means nothing). GFLOPS counts decode's 2·(D + Dv) per
+// query head and key. Skv must be a multiple of NK (it is 2048 or 32768). Args {Skv, threads}.
 template <class Tag>
 float decode_step_heads(const float* k, const float* v, Index Skv, Index begin, Index end) {
   using Vec = typename Tag::Vec;
@@ -558,7 +559,7 @@ float decode_step_heads(const float* k, const float* v, Index Skv, Index begin, 
         }
       }
     }
-    total += out[h % (R * D)];
+    for (const float o : out) total += o;
   }
   return total;
 }
@@ -578,6 +579,9 @@ void BM_DecodeStepLoop(benchmark::State& state) {
   for (auto _ : state) read();
   state.counters["GBps"] =
       benchmark::Counter(double(2 * n) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  const double G = 4;  // query heads per kv head: Hq = 32
+  state.counters["GFLOPS"] = benchmark::Counter(2.0 * double(2 * D) * G * double(Hkv * Skv) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(label("decode's steps alone"));
 }
 

@@ -122,7 +122,8 @@ def decode_roofline(rows):
     threads). Decode does 2·(D + Dv) FLOPs per (query head, key) over D + Dv stored elements per (kv head, key): G / 2
     FLOPs per byte of float K and V at G = Hq / Hkv, G per byte of 16-bit ones; where the FMA loop's rate is below that
     many times the read loop's (from L3 on a core whose FMAs are 256 bits wide, or whose read from L3 is fast), the
-    arithmetic, not the read, bounds it.
+    arithmetic, not the read, bounds it. Then the read loop with decode's FMAs (BM_ReadFmaLoop) and decode's steps
+    alone (BM_DecodeStepLoop) against the read loop, each float decode row against the latter.
     """
     peak = pick(rows, "FmaPeak")
     decode = pick(rows, "FusedDecode")

@@ -57,23 +57,23 @@
 //                                  N, a multiple of 8), Hkv = 8, D = Dv = 128 (or N), fused, one thread (QKV_AB_THREADS
 //                                  as in speed mode); layout bshd (token-major) or bhsd; K and V stored as float, f16
 //                                  (Eigen::half) or bf16 (Eigen::bfloat16), rounded once from random normal floats; q
-//                                  and out float. A and B alternate as in --backward, but with no FMA loop before the
-//                                  rounds (QKV_AB_DECODE_FMA=1: one before each round, as until the thirty-ninth
-//                                  session of bench/README.md, whose L3 rows it slowed unevenly), each call after an
-//                                  untimed read of 128 MiB (so that neither finds K and V in the cache the other left);
-//                                  each round then times a read loop over A's K and V (their bytes, where they lie; as
-//                                  many threads; prepared like the calls). Prints the median microseconds of each
-//                                  version with the GB/s of K and V it reads (2·Skv·Hkv·D·sizeof(storage) bytes per
-//                                  call) and its share of the read loop (the decode measure, taken in one
-//                                  process: the median of the per-round ratios read loop / call, and the ratio of the
-//                                  two medians, which is how scripts/plot_bench.py takes float rows; where they differ,
-//                                  the rounds spread; for 16-bit K and V this loop reads their own bytes, not a float
-//                                  loop's), the read loop's median, the median of the per-round ratios B / A with their
-//                                  range, how many rounds B won, and whether A's and B's outputs are bit-identical.
-//                                  With `cached`, each timed call (and read loop) comes right after an untimed one of
-//                                  its own instead of the read of 128 MiB: K and V then come from the cache where they
-//                                  fit (Skv = 2048 in float is 16 MiB), which is the micro-kernels' speed rather than
-//                                  the memory's.
+//                                  and out float. A and B alternate as in --backward, but with no FMA loop before each
+//                                  round (QKV_AB_DECODE_FMA=1: one before each round, as until the thirty-ninth session
+//                                  of bench/README.md, which found that it slowed some forms' reads from L3 more than
+//                                  others'), each call after an untimed read of 128 MiB (so that neither finds K and V
+//                                  in the cache the other left); each round then times a read loop over A's K and V
+//                                  (their bytes, where they lie; as many threads; prepared like the calls). Prints the
+//                                  median microseconds of each version with the GB/s of K and V it reads
+//                                  (2·Skv·Hkv·D·sizeof(storage) bytes per call) and its share of the read loop (the
+//                                  issue's decode measure, taken in one process: the median of the per-round ratios
+//                                  read loop / call, and the ratio of the two medians, which is how
+//                                  scripts/plot_bench.py takes float rows; where they differ, the rounds spread; for
+//                                  16-bit K and V this loop reads their own bytes, not a float loop's), the read loop's
+//                                  median, the median of the per-round ratios B / A with their range, how many rounds B
+//                                  won, and whether A's and B's outputs are bit-identical. With `cached`, each timed
+//                                  call (and read loop) comes right after an untimed one of its own instead of the read
+//                                  of 128 MiB: K and V then come from the cache where they fit (Skv = 2048 in float is
+//                                  16 MiB), which is the micro-kernels' speed rather than the memory's.
 //   ab_fused --micro [keys rounds] the decoding micro-kernels alone (defaults 1024 100): Q·Kᵀ and P·V of one kv head
 //                                  (4 query rows, D = Dv = 128, float K and V head-major) over `keys` keys, as a
 //                                  head-major decoding task calls them: without a cursor over blocks of 1024 keys (an
@@ -151,9 +151,9 @@ void interleaved_round(int r, const Measure& measure, const RunA& run_a, const R
 }
 
 // `rounds` interleaved rounds and the per-round ratios B / A (a ratio per round cancels the machine's drift between
-// rounds, which a ratio of medians would not): the backward and decode speed modes. Each round begins with
-// before_round(), the FMA loop unless the caller passes another (the decode mode runs none: see decode_speed_mode),
-// and ends with after_round(), which the decode mode uses to time its read loop in the same round.
+// rounds, which a ratio of medians would not): the backward, decode and micro-kernel speed modes. Each round begins
+// with before_round(), the FMA loop unless the caller passes another (the decode mode runs none: see
+// decode_speed_mode), and ends with after_round(), which the decode mode uses to time its read loop in the same round.
 struct PairedRounds {
   std::vector<double> a, b, ratio;
   int b_faster = 0;
@@ -1301,10 +1301,10 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   run_b();
   read_kv();
   // No FMA loop before each round, unless QKV_AB_DECODE_FMA=1 (the form of this mode until the thirty-ninth session of
-  // bench/README.md): after the loop's 18 ms of register FMAs this core read L3 more slowly for a while, and not every
+  // bench/README.md): after the loop's 9 ms of register FMAs this core read L3 more slowly for a while, and not every
   // form alike. From L3 (head-major float, Skv = 2048, cached) the unpaced form (kHeadMajorPaced false) took 1.05-1.18
-  // of the paced form's time with the loop and 0.70-0.73 without it, while the paced form's own time did not move;
-  // from DRAM the same pair read 1.32-1.33 either way.
+  // of the paced form's time with the loop and 0.70-0.73 without it (the paced form's median 1.03-1.34 times as long
+  // with it, the unpaced form's 1.5-2.5 times); from DRAM the pair read 1.22-1.33 with it and 1.32-1.33 without.
   const char* with_fma = std::getenv("QKV_AB_DECODE_FMA");
   const bool fma_first = with_fma != nullptr && std::string(with_fma) == "1";
   const auto before_round = [&] {
