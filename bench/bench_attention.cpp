@@ -514,11 +514,16 @@ float decode_step_heads(const float* k, const float* v, Index Skv, Index begin, 
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes, R = 4, NK = L >= 16 ? 4 : 2;
   constexpr Index D = 128, kBlockKeys = 1024;
-  alignas(64) float q[R * D], out[R * D], scores[R * kBlockKeys];
+  // On the heap, as the kernel's scratch: local arrays of these sizes the compiler may keep in (and spill from)
+  // registers, which took one thread 5 times as long.
+  LineVector<float> scratch(std::size_t(2 * R * D + R * kBlockKeys));
+  float* const q = scratch.data();
+  float* const out = q + R * D;
+  float* const scores = out + R * D;
   for (Index e = 0; e < R * D; ++e) q[e] = 0.01f * float(e % 7);
   float total = 0;
   for (Index h = begin; h < end; ++h) {
-    for (auto& o : out) o = 0;
+    std::fill(out, out + R * D, 0.0f);
     for (Index block = 0; block < Skv; block += kBlockKeys) {
       const Index keys = std::min(kBlockKeys, Skv - block);
       const float* kb = k + (h * Skv + block) * D;
@@ -559,7 +564,7 @@ float decode_step_heads(const float* k, const float* v, Index Skv, Index begin, 
         }
       }
     }
-    for (const float o : out) total += o;
+    for (Index e = 0; e < R * D; ++e) total += out[e];
   }
   return total;
 }

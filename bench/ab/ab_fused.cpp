@@ -1304,7 +1304,7 @@ int decode_speed_mode(Layout layout, const char* storage, long Skv, int rounds, 
   // bench/README.md): after the loop's 9 ms of register FMAs this core read L3 more slowly for a while, and not every
   // form alike. From L3 (head-major float, Skv = 2048, cached) the unpaced form (kHeadMajorPaced false) took 1.05-1.18
   // of the paced form's time with the loop and 0.70-0.73 without it (the paced form's median 1.03-1.34 times as long
-  // with it, the unpaced form's 1.5-2.5 times); from DRAM the pair read 1.22-1.33 with it and 1.32-1.33 without.
+  // with it, the unpaced form's 1.6-2.5 times); from DRAM the pair read 1.22-1.33 with it and 1.32-1.33 without.
   const char* with_fma = std::getenv("QKV_AB_DECODE_FMA");
   const bool fma_first = with_fma != nullptr && std::string(with_fma) == "1";
   const auto before_round = [&] {
