@@ -514,9 +514,9 @@ float decode_step_heads(const float* k, const float* v, Index Skv, Index begin, 
   using Vec = typename Tag::Vec;
   constexpr int L = Tag::kLanes, R = 4, NK = L >= 16 ? 4 : 2;
   constexpr Index D = 128, kBlockKeys = 1024;
-  // On the heap, as the kernel's scratch: local arrays of these sizes the compiler may keep in (and spill from)
-  // registers, which took one thread 5 times as long.
-  LineVector<float> scratch(std::size_t(2 * R * D + R * kBlockKeys));
+  // In memory, as the kernel's scratch (one buffer per thread, kept between calls: no allocation in the timing): local
+  // arrays of these sizes the compiler may keep in (and spill from) registers, which took one thread 5 times as long.
+  static thread_local LineVector<float> scratch(std::size_t(2 * R * D + R * kBlockKeys));
   float* const q = scratch.data();
   float* const out = q + R * D;
   float* const scores = out + R * D;

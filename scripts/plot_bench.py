@@ -116,6 +116,12 @@ def report(rows):
 STORAGE = {0: "float", 1: "f16", 2: "bf16"}
 
 
+def of_read_loop(rows, r):
+    """r's GB/s over the read loop's at the same Skv and threads, at its faster placement (nan without one)."""
+    read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
+    return r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
+
+
 def decode_roofline(rows):
     """Each decode row against its roofline: the larger of its share of the read loop's rate (bytes per second,
     same Skv and threads, the faster of its placements) and its share of the FMA loop's rate (one thread's, times the
@@ -144,8 +150,7 @@ def decode_roofline(rows):
     print("loop's faster placement; the last column: of the read loop with decode's FMAs, float rows only):")
     print("  layout storage Skv    threads  GB/s   of read loop  GFLOP/s  of FMA loop  of roofline  bound  of read+FMA")
     for r in sorted(decode, key=lambda r: (r.get("bshd", 0), r.get("storage", 0), r["Skv"], r["threads"])):
-        read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
-        of_read = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
+        of_read = of_read_loop(rows, r)
         of_fma = r["GFLOPS"] / (peak[0]["GFLOPS"] * r["threads"]) if peak else float("nan")
         # The bound is the loop that would take longer over this row's bytes and FLOPs.
         bound = "FMA" if of_fma > of_read else "read" if of_read == of_read else "?"
@@ -156,28 +161,24 @@ def decode_roofline(rows):
         print(f"  {'bshd' if r.get('bshd') else 'bhsd':<6} {STORAGE.get(r.get('storage', 0), '?'):<7} {r['Skv']:<6d} "
               f"{r['threads']:<8d} {r['GBps']:<6.1f} {of_read:<13.2f} {r['GFLOPS']:<8.1f} {of_fma:<12.2f} "
               f"{max(of_read, of_fma):<12.2f} {bound:<6} {of_both}")
-    both = pick(rows, "ReadFmaLoop")
-    if both and reads:
-        print("\nRead loop with decode's FMAs (GB/s, of the read loop's faster placement):")
-        for r in sorted(both, key=lambda r: (r["Skv"], r["threads"])):
-            read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
-            share = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
-            print(f"  Skv {r['Skv']:<6d} threads {r['threads']}: {r['GBps']:.1f} ({share:.2f})")
-    steps = pick(rows, "DecodeStepLoop")
-    if steps and reads:
-        # BM_DecodeStepLoop: decode's micro-kernel steps over head-major float K and V with none of the kernel's
-        # bookkeeping and no software prefetch; what the float decode rows read against it.
-        print("\nDecode's steps alone (GB/s, of the read loop's faster placement; float decode rows of it):")
-        for r in sorted(steps, key=lambda r: (r["Skv"], r["threads"])):
-            read = pick(rows, "ReadLoop", Skv=r["Skv"], threads=r["threads"])
-            share = r["GBps"] / max(x["GBps"] for x in read) if read else float("nan")
-            rows_of = [x for x in pick(rows, "FusedDecode", Skv=r["Skv"], threads=r["threads"])
-                       if x.get("storage", 0) == 0]
-            of = ", ".join(f"{'bshd' if x.get('bshd') else 'bhsd'} {x['GBps'] / r['GBps']:.2f}"
-                           for x in sorted(rows_of, key=lambda x: x.get("bshd", 0)))
-            print(f"  Skv {r['Skv']:<6d} threads {r['threads']}: {r['GBps']:.1f} ({share:.2f})" +
-                  (f"; decode {of}" if of else ""))
-
+    # BM_ReadFmaLoop: the read loop with decode's multiply-adds. BM_DecodeStepLoop: decode's micro-kernel steps over
+    # head-major float K and V with none of the kernel's bookkeeping and no software prefetch, and what the float decode
+    # rows read against it.
+    for kind, title, with_decode in (("ReadFmaLoop", "Read loop with decode's FMAs", False),
+                                     ("DecodeStepLoop", "Decode's steps alone", True)):
+        loops = pick(rows, kind)
+        if not (loops and reads):
+            continue
+        print(f"\n{title} (GB/s, of the read loop's faster placement" + ("; float decode rows of it):" if with_decode
+                                                                          else "):"))
+        for r in sorted(loops, key=lambda r: (r["Skv"], r["threads"])):
+            line = f"  Skv {r['Skv']:<6d} threads {r['threads']}: {r['GBps']:.1f} ({of_read_loop(rows, r):.2f})"
+            floats = [x for x in pick(rows, "FusedDecode", Skv=r["Skv"], threads=r["threads"])
+                      if x.get("storage", 0) == 0]
+            if with_decode and floats:
+                line += "; decode " + ", ".join(f"{'bshd' if x.get('bshd') else 'bhsd'} {x['GBps'] / r['GBps']:.2f}"
+                                                for x in sorted(floats, key=lambda x: x.get("bshd", 0)))
+            print(line)
 
 def plot(context, rows, out):
     import matplotlib
