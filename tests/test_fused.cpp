@@ -296,6 +296,66 @@ TEST(Fused, PrefillRerunInBaseEAfterALateOverflow) {
   check_case(c, 31);
 }
 
+// A (sequence, kv head) whose packed K and V exceed kPrefillGroupBytes (more than 4096 keys at D = Dv = 128 on every
+// tag) runs its query tiles in groups of kPrefillGroupTiles, key chunk by key chunk (2048 keys), each tile keeping its
+// softmax state from one chunk to the next (fused_attention.hpp, run_prefill_group). Every option of the grid against
+// the float64 reference under its rule: tiles whose keys end inside a chunk (causal, windows, key_lengths), groups of
+// fewer tiles than kPrefillGroupTiles, a varlen batch with an ungrouped sequence beside a grouped one.
+TEST(Fused, PrefillGroupsTakeTheirKeysChunkByChunk) {
+  static_assert(Tiles16::kPrefillChunkBytes / (256 * sizeof(float)) == 2048, "chunks of 2048 keys at D = Dv = 128");
+  static_assert(Tiles16::kPrefillGroupBytes / (256 * sizeof(float)) == 4096, "groups past 4096 keys at D = Dv = 128");
+  std::mt19937 rng(5150);
+  auto pick = [&](Index lo, Index hi) { return std::uniform_int_distribution<Index>(lo, hi)(rng); };
+  for (int trial = 0; trial < (reduced_grid() ? 1 : 6); ++trial) {
+    Case c = random_case(rng, {128}, 300);  // the options; the shape is set below
+    qkv::AttentionOptions<float>& o = c.options;
+    c.D = c.Dv = 128;
+    c.B = 1;
+    c.Hkv = reduced_grid() ? 1 : pick(1, 2);
+    c.Hq = c.Hkv * pick(1, 2);
+    c.Sq = reduced_grid() ? pick(100, 140) : pick(97, 260);  // 2 to 6 query tiles (48 or 96 rows each)
+    c.Skv = reduced_grid() ? pick(4100, 4400) : pick(4097, 6500);
+    if (!o.alibi_slopes.empty()) {
+      o.alibi_slopes.clear();
+      for (Index h = 0; h < c.Hq; ++h) o.alibi_slopes.push_back(std::ldexp(1.0f, -static_cast<int>(h + 1)));
+    }
+    if (!o.sinks.empty()) o.sinks.assign(static_cast<std::size_t>(c.Hq), 1.5f);
+    if (!o.key_lengths.empty()) o.key_lengths = {pick(c.Skv / 2, c.Skv)};
+    if (!c.bias.empty() || o.bias.extent(1) != 0) {
+      c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.25f);
+      c.bias[7] = -std::numeric_limits<float>::infinity();
+      o.bias = qkv::TensorView4<const float>(c.bias.data(), {1, c.Hq, c.Sq, c.Skv});
+    }
+    if (!c.allowed.empty() || o.allowed.extent(0) != 0) {
+      c.allowed.assign(static_cast<std::size_t>(c.Skv), 1);
+      for (Index j = 0; j < c.Skv; j += 5) c.allowed[static_cast<std::size_t>(j)] = 0;
+      o.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(c.allowed.data()), {1, 1, 1, c.Skv});
+    }
+    if (!o.cu_seqlens_q.empty()) {  // an ungrouped sequence, an empty one, a grouped one
+      o.cu_seqlens_q = {0, c.Sq / 2, c.Sq / 2, c.Sq};
+      o.cu_seqlens_k = {0, 1500, 1900, c.Skv + 1900};
+      c.Skv += 1900;
+    }
+    check_case(c, static_cast<unsigned>(600 + trial));
+    if (HasFailure()) return;
+  }
+}
+
+TEST(Fused, PrefillGroupRerunsOneTileInBaseEAfterAnOverflowInALaterChunk) {
+  // A bias of 3e38 at query 100 (the third of five tiles of 48 stacked rows, GQA 2/1) and key 2300, in the second
+  // of three chunks of 2048 keys: the group's five tiles have taken the first in base 2 when that tile's finished score
+  // overflows; that tile alone runs again in base e from a clean state, the others go on in base 2 with their
+  // state. Causal (bottom-right: every key visible to every row here) against the float64 reference under the
+  // grid's rule; that row is one-hot on the biased key.
+  Case c{{1, 2, 1, 200, 4400, 128, 128}};
+  c.options.causal = true;
+  c.options.alignment = qkv::CausalAlignment::bottom_right;
+  c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.0f);
+  c.bias[static_cast<std::size_t>((1 * c.Sq + 100) * c.Skv + 2300)] = 3e38f;
+  c.options.bias = qkv::TensorView4<const float>(c.bias.data(), {1, c.Hq, c.Sq, c.Skv});
+  check_case(c, 32);
+}
+
 TEST(Fused, DecodeSplitKEqualsOnePassAndHiddenNaNsDoNotLeak) {
   // Decoding shape (Sq = 1, GQA 8/2, Skv = 5000 > one split chunk): split-K merge vs the reference.
   Case c{{1, 8, 2, 1, 5000, 64, 64}};
@@ -558,7 +618,8 @@ TEST(Fused, VectorTailsAndTileEdges) {
   }
 }
 
-/// Runs a prefill and a decode shape with the given thread count; returns the outputs concatenated.
+/// Runs two prefill shapes and a decode shape with the given thread count; returns the outputs concatenated. At D =
+/// 128 the prefill's K and V (4.4 MiB per kv head) exceed kPrefillGroupBytes: groups of 8 and 5 query tiles.
 std::vector<float> run_with_threads(int threads) {
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
@@ -566,8 +627,9 @@ std::vector<float> run_with_threads(int threads) {
   (void)threads;
 #endif
   std::vector<float> result;
-  for (Index sq : {Index(300), Index(1)}) {
-    const Index Hq = 8, Hkv = 2, Skv = 4500, D = 64;
+  const std::pair<Index, Index> shapes[] = {{300, 64}, {1, 64}, {300, 128}};  // (Sq, D = Dv)
+  for (const auto& [sq, D] : shapes) {
+    const Index Hq = 8, Hkv = 2, Skv = 4500;
     std::mt19937 rng(9);
     std::normal_distribution<float> normal;
     std::vector<float> q(static_cast<std::size_t>(Hq * sq * D)), k(static_cast<std::size_t>(Hkv * Skv * D)),

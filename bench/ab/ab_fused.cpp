@@ -331,6 +331,9 @@ constexpr Shape kShapes[] = {
     {"prefill200x520", 1, 4, 1, 200, 520, 64, 64, Layout::bshd},  // Sq < Skv, MQA
     {"prefill260x100", 1, 2, 2, 260, 100, 32, 48, Layout::bhsd},  // Sq > Skv (bottom-right causal: empty rows)
     {"odd33x77", 2, 6, 2, 33, 77, 80, 72, Layout::bshd},          // odd sizes, D ≠ Dv, GQA 3
+    // Prefill groups (fused_attention.hpp, run_prefill_group): D + Dv = 120 floats a key, chunks of 4096 keys, two
+    // chunks (the second 604 keys); G = 2, 48 rows per tile, 9 tiles: a group of 8 and one of 1.
+    {"prefill_group", 1, 4, 2, 400, 4700, 64, 56, Layout::bhsd},
     {"decode4096", 2, 32, 8, 1, 4096, 128, 128, Layout::bshd},    // decoding, GQA 32/8, split-K in 2 chunks
     {"decode5000", 1, 32, 8, 1, 5000, 128, 128, Layout::bhsd},    // decoding, split-K with a short last chunk
     {"short3x5000", 1, 16, 2, 3, 5000, 128, 128, Layout::bshd},   // prefill path (Sq·G = 24 rows), split-K
@@ -633,10 +636,12 @@ Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, un
     case Preset::bias_huge_late: {  // [1, Hq, Sq, Skv]; 2.5e38 at one (row, key) of the last head, late in its task
       // Query min(100, Sq − 1) (past the first query tile where Sq > 96), key min(600, Skv − 1) (past the first key
       // tile where Skv > 256): the prefill task aborts base 2 after its softmax state moved, and reruns in base e.
+      // Past 4200 keys, key 4200: in a prefill group's second chunk (prefill_group), after the group's other tasks
+      // took the first.
       p.bias_extents = {1, p.Hq, p.Sq, p.Skv};
       p.bias.resize(static_cast<std::size_t>(p.Hq * p.Sq * p.Skv));
       for (auto& x : p.bias) x = 0.5f * normal(rng);
-      const Index i = std::min<Index>(100, p.Sq - 1), j = std::min<Index>(600, p.Skv - 1);
+      const Index i = std::min<Index>(100, p.Sq - 1), j = p.Skv > 4200 ? 4200 : std::min<Index>(600, p.Skv - 1);
       p.bias[static_cast<std::size_t>(((p.Hq - 1) * p.Sq + i) * p.Skv + j)] = 2.5e38f;
       break;
     }

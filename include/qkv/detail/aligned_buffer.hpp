@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <new>
+#include <utility>
 
 #include "qkv/config.hpp"
 
@@ -31,6 +32,19 @@ class AlignedBuffer {
   explicit AlignedBuffer(std::size_t n) { resize(n); }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  AlignedBuffer(AlignedBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)),
+        alignment_(other.alignment_) {}
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+      alignment_ = other.alignment_;
+    }
+    return *this;
+  }
   ~AlignedBuffer() { release(); }
   void resize(std::size_t n) {
     if (n <= size_) return;

@@ -5,7 +5,9 @@
 //
 //   pack K and V of every prefill sequence once per (sequence, kv head), each just before its first   pack.hpp
 //   task (by the thread that takes it first)
-//   for each task (sequence b, kv head h_kv, query tile [i0, i1), key chunk): threads over tasks    split_k.hpp
+//   for each task (sequence b, kv head h_kv, query tile [i0, i1), key chunk): threads over groups  split_k.hpp
+//   of tasks (a prefill group: up to 8 query tiles of a (b, h_kv) whose K and V exceed 4 MiB, which
+//   take its keys chunk by chunk of 2 MiB, each tile in turn, keeping their states; else one task)
 //     Q_block ← the G query heads of the group stacked, row r = g·rows + (i − i0), pre-scaled by
 //               scale·log2 e (scale alone where softcap, bias or ALiBi need base e)            query_block.hpp
 //     for each key tile [j0, j1) inside MaskGeometry::key_range(i0, i1), hidden tiles skipped        mask.hpp
@@ -18,14 +20,14 @@
 //         (token-major K and V: one task serves several kv heads, so it reads whole key rows)
 //     out = acc_o / row_sum and lse (base e); or a partial state, merged in chunk order             split_k.hpp
 //
-// Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D), acc_s (a strip's kStrip × kBlockN scores, which
-// stay in L1, or a decoding block's M × kDecodeKeys) and acc_o (M × Dv), M = G · rows per tile (G · Sq · n_kv for a
-// decoding task of n_kv kv heads), allocated once per call; packed K and V, the size of K and V (prefill sequences
-// only; on one thread the size of the largest pair's), kept by the calling thread for its next calls
-// (aligned_buffer.hpp, Workspace). Nothing of size Sq × Skv.
-// Traffic per task: K and V of its visible key range once from memory, then from L2 for every strip (kBlockN = 256
-// keys × D = 128 floats = 128 KiB each on AVX2, 512 keys = 256 KiB on AVX-512), Q and out once; decoding reads K and
-// V once, in place.
+// Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D) and acc_o (M × Dv) per task of its largest group,
+// M = G · rows per tile (G · Sq · n_kv for a decoding task of n_kv kv heads), and acc_s (a strip's kStrip × kBlockN
+// scores, which stay in L1, or a decoding block's M × kDecodeKeys), allocated once per call; packed K and V, the size
+// of K and V (prefill sequences only; on one thread the size of the largest pair's), kept by the calling thread for its
+// next calls (aligned_buffer.hpp, Workspace). Nothing of size Sq × Skv. Traffic per task: K and V of its visible key
+// range once from memory (a prefill group's tasks: once per group, from L3 for the others), then from L2 for every
+// strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each on AVX2, 512 keys = 256 KiB on AVX-512), Q and out once;
+// decoding reads K and V once, in place.
 //
 // Exactness rules kept here (docs/design.md): hidden keys are selected away (−∞ before exp), never multiplied by
 // zero; a row with NaN or +∞ among its visible scores is NaN; empty rows give zeros and lse −∞; sinks join the
@@ -79,13 +81,21 @@ namespace detail {
 inline namespace QKV_ISA_NAME {
 namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or kernel_avx512
 
-/// Per-thread scratch of the fused kernel: sized once per call, reused by every task of the thread.
-struct FusedScratch {
-  AlignedBuffer q_block, acc_s, acc_o, row_max, row_sum;
+/// What one running task holds: its Q block, softmax state and head masks.
+struct TaskState {
+  AlignedBuffer q_block, acc_o, row_max, row_sum;
   std::vector<char> row_nan;
-  std::vector<float> pack_row;         ///< PackedKV::pack_pair's and pack_once's scratch (16-bit K)
   std::vector<HeadMask<float>> masks;  ///< the task's G head masks
   QueryScale scaled;                   ///< how the task's Q block was scaled
+  KeyRange range;                      ///< the task's keys: its rows' key range ∩ its split-K chunk
+  bool live = false;                   ///< a group's task still running in base 2 (run_prefill_group)
+};
+
+/// Per-thread scratch of the fused kernel: sized once per call, reused by every task of the thread.
+struct FusedScratch {
+  std::vector<TaskState> states;  ///< one per task of the largest group (FusedTasks::max_group)
+  AlignedBuffer acc_s;            ///< a strip's scores, or a decoding block's
+  std::vector<float> pack_row;    ///< PackedKV::pack_pair's and pack_once's scratch (16-bit K)
 };
 
 /// The fused kernel for one call in float, over validated views and resolved parameters. K and V are stored as S:
@@ -120,10 +130,11 @@ class FusedAttention {
     }
     zeros_.assign(static_cast<std::size_t>(shape_.Dv), 0.0f);
     const std::vector<FusedTask>& tasks = tasks_.tasks();
-    const Index n_tasks = static_cast<Index>(tasks.size());
+    const std::vector<TaskGroup>& groups = tasks_.groups();
+    const Index n_groups = static_cast<Index>(groups.size());
     // A team costs microseconds to wake; below about a million multiply-adds one thread is faster. Inside a
     // caller's active parallel region no team is opened (threads.hpp).
-    const bool parallel = n_tasks > 1 && tasks_.work() > (Index(1) << 20) && may_open_team();
+    const bool parallel = n_groups > 1 && tasks_.work() > (Index(1) << 20) && may_open_team();
     // One thread packs each (sequence, kv head) just before its tasks, a team each on its first task (PackOrder).
     // Either way every task reads the same packed floats: the same bits.
     bool one_thread = !parallel;
@@ -139,25 +150,27 @@ class FusedAttention {
       FusedScratch scratch;
       allocate(scratch);
       if (one_thread) {
-        Index packed_pair = -1;  // tasks come in (sequence, kv head) order: each pair is packed once
-        for (const FusedTask& t : tasks) {
+        Index packed_pair = -1;  // groups come in (sequence, kv head) order: each pair is packed once
+        for (const TaskGroup& group : groups) {
+          const FusedTask& t = tasks[static_cast<std::size_t>(group.first)];
           const Index pair = t.sequence * shape_.Hkv + t.h_kv;
           if (!decode_[static_cast<std::size_t>(t.sequence)] && pair != packed_pair) {
             packed_.pack_pair(shape_, k_, v_, t.sequence, t.h_kv, scratch.pack_row.data());
             packed_pair = pair;
           }
-          run_task(t, scratch);
+          run_group(group, scratch);
         }
       } else {
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (Index i = 0; i < n_tasks; ++i) {
-          const FusedTask& t = tasks[static_cast<std::size_t>(i)];
+        for (Index i = 0; i < n_groups; ++i) {
+          const TaskGroup& group = groups[static_cast<std::size_t>(i)];
+          const FusedTask& t = tasks[static_cast<std::size_t>(group.first)];
           if (!decode_[static_cast<std::size_t>(t.sequence)]) {
             packed_.pack_once(shape_, k_, v_, t.sequence, t.h_kv, scratch.pack_row.data());
           }
-          run_task(t, scratch);
+          run_group(group, scratch);
         }
       }
     }
@@ -169,14 +182,23 @@ class FusedAttention {
   /// kv heads side by side: view_bshd, the packed Eigen entry point) takes as many kv heads per task as kBlockM rows
   /// allow, so that a task streams whole contiguous key rows instead of striding through them one head at a time,
   /// and it is split into at least kDecodeMinChunks key chunks where it has that many blocks, so that the threads
-  /// share it. The plan depends on the shapes and strides only, never on the thread count.
+  /// share it. A prefill sequence whose packed K and V exceed kPrefillGroupBytes per kv head takes its query tiles in
+  /// groups of kPrefillGroupTiles, over chunks of kPrefillChunkBytes (run_prefill_group). The plan depends on the
+  /// shapes and strides only, never on the thread count.
   std::vector<SequencePlan> plans() const {
     const bool token_major = shape_.Hkv > 1 && k_.stride(2) > k_.stride(1) && v_.stride(2) > v_.stride(1);
+    const Index key_bytes = std::max<Index>(1, (shape_.D + shape_.Dv) * static_cast<Index>(sizeof(float)));
+    const Index chunk_keys =
+        std::max<Index>(1, Tiles::kPrefillChunkBytes / key_bytes / Tiles::kBlockN) * Tiles::kBlockN;
     std::vector<SequencePlan> result(static_cast<std::size_t>(shape_.n_sequences));
     for (Index b = 0; b < shape_.n_sequences; ++b) {
       const std::size_t seq = static_cast<std::size_t>(b);
       SequencePlan& plan = result[seq];
       plan.split_keys = Tiles::kSplitKeys;
+      if (!decode_[seq] && shape_.key_counts[seq] * key_bytes > Tiles::kPrefillGroupBytes) {
+        plan.group_tiles = Tiles::kPrefillGroupTiles;
+        plan.chunk_keys = chunk_keys;
+      }
       const Index group_rows = G_ * shape_.q_rows[seq].length;
       if (!decode_[seq] || !token_major || group_rows == 0) continue;
       plan.kv_heads = std::max<Index>(1, std::min(shape_.Hkv, Tiles::kBlockM / group_rows));
@@ -189,41 +211,50 @@ class FusedAttention {
 
   void allocate(FusedScratch& s) const {
     const Index M = std::max<Index>(1, tasks_.max_rows());
-    s.q_block.resize(static_cast<std::size_t>(M * shape_.D));
+    s.states.resize(static_cast<std::size_t>(tasks_.max_group()));
+    for (TaskState& state : s.states) {
+      state.q_block.resize(static_cast<std::size_t>(M * shape_.D));
+      state.acc_o.resize(static_cast<std::size_t>(std::max<Index>(1, M * shape_.Dv)));
+      state.row_max.resize(static_cast<std::size_t>(M));
+      state.row_sum.resize(static_cast<std::size_t>(M));
+      state.row_nan.assign(static_cast<std::size_t>(M), 0);
+      state.masks.resize(static_cast<std::size_t>(M));
+    }
     // Prefill fills one strip of scores at a time (kStrip × kBlockN); decoding a whole block of its M rows: at most
     // kDecodeRows × kDecodeKeys, plus M × kPanel where a task of several kv heads rounds its block up to a panel.
     s.acc_s.resize(static_cast<std::size_t>(
         std::max<Index>(kStrip * Tiles::kBlockN,
                         std::min(decode_rows_, Tiles::kDecodeRows) * Tiles::kDecodeKeys + decode_rows_ * kPanel)));
-    s.acc_o.resize(static_cast<std::size_t>(std::max<Index>(1, M * shape_.Dv)));
-    s.row_max.resize(static_cast<std::size_t>(M));
-    s.row_sum.resize(static_cast<std::size_t>(M));
-    s.row_nan.assign(static_cast<std::size_t>(M), 0);
-    s.masks.resize(static_cast<std::size_t>(std::max<Index>(1, M)));
     s.pack_row.resize(PackedKV<Tag>::template row_floats<S>(shape_));
   }
 
-  /// One task: a prefill sequence in base 2, or in base e where base 2 could overflow; a decoding sequence in base e.
-  void run_task(const FusedTask& t, FusedScratch& s) const {
+  /// One group of tasks: a prefill group (run_prefill_group); or one task alone, a prefill one in base 2, or in base
+  /// e where base 2 could overflow, a decoding one in base e.
+  void run_group(const TaskGroup& group, FusedScratch& s) const {
+    const FusedTask& t = tasks_.tasks()[static_cast<std::size_t>(group.first)];
+    TaskState& state = s.states[0];
     if (decode_[static_cast<std::size_t>(t.sequence)]) {
       if constexpr (Tiles::kDecodePrefetchL2) {
-        if (decode_prefetch_level() == PrefetchLevel::l2) return run_decode_task<2>(t, s);
+        if (decode_prefetch_level() == PrefetchLevel::l2) return run_decode_task<2>(t, s, state);
       }
-      run_decode_task<3>(t, s);
-    } else if (!run_prefill_task<true>(t, s)) {
-      run_prefill_task<false>(t, s);
+      run_decode_task<3>(t, s, state);
+    } else if (group.count > 1) {
+      run_prefill_group(group, s);
+    } else if (!run_prefill_task<true>(t, s, state)) {
+      run_prefill_task<false>(t, s, state);
     }
   }
 
   template <bool kBase2>
-  OnlineSoftmax<Tag, kBase2> softmax_over(FusedScratch& s) const noexcept {
-    return OnlineSoftmax<Tag, kBase2>(s.row_max.data(), s.row_sum.data(), s.row_nan.data(), s.acc_o.data(), shape_.Dv);
+  OnlineSoftmax<Tag, kBase2> softmax_over(TaskState& st) const noexcept {
+    return OnlineSoftmax<Tag, kBase2>(st.row_max.data(), st.row_sum.data(), st.row_nan.data(), st.acc_o.data(),
+                                      shape_.Dv);
   }
 
   /// The start of a task: the head masks of its query heads (G per kv head), its Q block (query_block.hpp), its
-  /// softmax state cleared; returns its key range (the mask's key range of its rows ∩ its split-K chunk).
+  /// softmax state cleared, its key range (the mask's key range of its rows ∩ its split-K chunk) set and returned.
   template <bool kBase2>
-  KeyRange begin_task(const FusedTask& t, FusedScratch& s, OnlineSoftmax<Tag, kBase2>& softmax) const {
+  KeyRange begin_task(const FusedTask& t, TaskState& s, OnlineSoftmax<Tag, kBase2>& softmax) const {
     constexpr float kLog2e = simd::exp_constants::kLog2e;
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), rows = t.i_end - t.i_begin, heads = G_ * t.n_kv;
@@ -240,39 +271,95 @@ class FusedAttention {
     KeyRange range = s.masks[0].geometry.key_range(t.i_begin, t.i_end);
     range.begin = std::max(range.begin, t.key_begin);
     range.end = std::min(range.end, t.key_end);
+    s.range = range;
     return range;
   }
 
-  /// The prefill task (K and V packed): key tiles outermost, so that a K and V tile stay in L2 across the block,
-  /// then strips of kStrip block rows, each taken through Q·Kᵀ, the scores, the softmax step and P·V while its acc_s
-  /// rows and acc_o rows stay in L1. Per strip, tiles it cannot see are skipped and its keys are cut to its own
-  /// visible range (the diagonal strip stops at its last visible key, a window's strip starts at its first).
-  /// With kBase2, returns false, having written nothing, when a score could overflow base 2.
+  /// The prefill task (K and V packed) alone: begin_prefill, its key tiles (prefill_tiles), its rows finished. With
+  /// kBase2, returns false, having written nothing, when a score could overflow base 2.
   template <bool kBase2>
-  bool run_prefill_task(const FusedTask& t, FusedScratch& s) const {
+  bool run_prefill_task(const FusedTask& t, FusedScratch& s, TaskState& st) const {
+    if (!begin_prefill<kBase2>(t, st) || !prefill_tiles<kBase2>(t, s, st, 0, st.range.end)) return false;
+    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(st);
+    finish_rows(t, softmax);
+    return true;
+  }
+
+  /// A group of prefill tasks: consecutive query tiles of one (sequence, kv head) whose packed K and V exceed
+  /// kPrefillGroupBytes (plans()). Key chunks outermost: each task of the group takes the key tiles that start in a chunk in
+  /// turn, so that the chunk's packed K and V (group.chunk_keys keys, kPrefillChunkBytes), read from memory by the
+  /// first, serve the others from L3, where a task alone would stream the whole of K and V once per query tile. Each
+  /// task keeps its state (FusedScratch::states) between chunks and meets its key tiles in the order it would alone:
+  /// the same bits. A task whose scores could overflow base 2 runs alone in base e, from its start, as run_group's
+  /// does (at the start, or at the chunk where a finished score overflowed).
+  void run_prefill_group(const TaskGroup& group, FusedScratch& s) const {
+    const FusedTask* tasks = tasks_.tasks().data() + group.first;
+    Index key_end = 0;
+    for (Index k = 0; k < group.count; ++k) {
+      TaskState& st = s.states[static_cast<std::size_t>(k)];
+      st.live = begin_prefill<true>(tasks[k], st);
+      if (st.live) {
+        key_end = std::max(key_end, st.range.end);
+      } else {
+        run_prefill_task<false>(tasks[k], s, st);
+      }
+    }
+    for (Index from = 0; from < key_end; from += group.chunk_keys) {
+      for (Index k = 0; k < group.count; ++k) {
+        TaskState& st = s.states[static_cast<std::size_t>(k)];
+        if (st.live && !prefill_tiles<true>(tasks[k], s, st, from, from + group.chunk_keys)) {
+          st.live = false;
+          run_prefill_task<false>(tasks[k], s, st);
+        }
+      }
+    }
+    for (Index k = 0; k < group.count; ++k) {
+      TaskState& st = s.states[static_cast<std::size_t>(k)];
+      if (!st.live) continue;
+      OnlineSoftmax<Tag, true> softmax = softmax_over<true>(st);
+      finish_rows(tasks[k], softmax);
+    }
+  }
+
+  /// A prefill task's start (begin_task); with kBase2, false where its scores could overflow base 2.
+  template <bool kBase2>
+  bool begin_prefill(const FusedTask& t, TaskState& st) const {
+    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(st);
+    begin_task(t, st, softmax);
+    return !kBase2 || st.masks[0].modifies_scores() ||
+           base2_fits<Tag>(st.q_block.data(), G_ * (t.i_end - t.i_begin), shape_.D,
+                           packed_.key_abs_max(t.sequence, t.h_kv), st.scaled);
+  }
+
+  /// The key tiles of a begun prefill task (K and V packed) that start in keys [from, to): key tiles outermost, so
+  /// that a K and V tile stay in L2 across the block, then strips of kStrip block rows, each taken through Q·Kᵀ, the
+  /// scores, the softmax step and P·V while its acc_s rows and acc_o rows stay in L1. Per strip, tiles it cannot see
+  /// are skipped and its keys are cut to its own visible range (the diagonal strip stops at its last visible key, a
+  /// window's strip starts at its first). The tiles start at the task's first key rounded down to a panel, kBlockN
+  /// apart, whatever [from, to) is. With kBase2, returns false when a score finished in base e overflowed base 2.
+  template <bool kBase2>
+  bool prefill_tiles(const FusedTask& t, FusedScratch& s, TaskState& st, Index from, Index to) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence);
     const Index kv_row0 = shape_.kv_rows[seq].begin, skv = shape_.key_counts[seq];
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
     const Index ldS = Tiles::kBlockN, ldv = v_.stride(2);
-    float* q_block = s.q_block.data();
+    const float* q_block = st.q_block.data();
     float* s_strip = s.acc_s.data();  // a strip's scores: R rows, ldS apart; columns [first, n) are keys j0 + first …
-    float* acc_o = s.acc_o.data();
-    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(s);
-    const KeyRange range = begin_task(t, s, softmax);
-    if (kBase2 && !s.masks[0].modifies_scores() &&
-        !base2_fits<Tag>(q_block, M, D, packed_.key_abs_max(t.sequence, t.h_kv), s.scaled)) {
-      return false;
-    }
-    const MaskGeometry& geometry = s.masks[0].geometry;
-    const bool data_mask = s.masks[0].has_data_mask();
+    float* acc_o = st.acc_o.data();
+    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(st);
+    const KeyRange range = st.range;
+    const MaskGeometry& geometry = st.masks[0].geometry;
+    const bool data_mask = st.masks[0].has_data_mask();
     const bool dropout = params_.dropout.active();
-    const BlockRows block{s.masks.data(), rows, t.i_begin};
+    const BlockRows block{st.masks.data(), rows, t.i_begin};
     const float* packed_k = packed_.keys(t.sequence, t.h_kv);
     const float* packed_v = packed_.values(t.sequence, t.h_kv);
+    Index first_tile = range.begin / kPanel * kPanel;
+    if (from > first_tile) first_tile += (from - first_tile + Tiles::kBlockN - 1) / Tiles::kBlockN * Tiles::kBlockN;
     bool fits = true;  // false once a score finished in base e overflowed base 2
 
-    for (Index j0 = range.begin / kPanel * kPanel; j0 < range.end && fits; j0 += Tiles::kBlockN) {
+    for (Index j0 = first_tile; j0 < std::min(to, range.end) && fits; j0 += Tiles::kBlockN) {
       const Index j1 = std::min(j0 + Tiles::kBlockN, range.end);
       if (geometry.classify(t.i_begin, t.i_end, j0, j1) == TileVisibility::hidden) continue;
       const S* v_tile = Dv > 0 ? &v_(vb, t.h_kv, kv_row0 + j0, 0) : nullptr;
@@ -301,7 +388,7 @@ class FusedAttention {
             qk_panel<Tag, kR>(q_block + r0 * D, D, packed_k + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel,
                               ldS, n - p * kPanel);
           }
-          if (!finish_score_tile<kBase2>(s_strip, ldS, r0, kR, first, n, j0, block, index_mask, s.scaled)) {
+          if (!finish_score_tile<kBase2>(s_strip, ldS, r0, kR, first, n, j0, block, index_mask, st.scaled)) {
             fits = false;  // the task runs again in base e
             return;
           }
@@ -322,9 +409,7 @@ class FusedAttention {
         });
       }
     }
-    if (!fits) return false;
-    finish_rows(t, softmax);
-    return true;
+    return fits;
   }
 
   /// The decoding task (Sq·G ≤ kDecodeRows; K and V read in place), in base e. Blocks of kDecodeKeys keys: one
@@ -347,7 +432,7 @@ class FusedAttention {
   /// change no result. kLocality also sets a grouped task's P·V step for float V on 16-lane tags
   /// (kPvGroupedKeysPerStep: four keys in the L2 copy, two in the L1 copy), which changes no result either.
   template <int kLocality>
-  void run_decode_task(const FusedTask& t, FusedScratch& s) const {
+  void run_decode_task(const FusedTask& t, FusedScratch& s, TaskState& st) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, GR = G_ * rows, M = GR * t.n_kv;
@@ -363,15 +448,15 @@ class FusedAttention {
     const Index paced_keys =
         std::max<Index>(4, Tiles::kDecodePacedBytes / static_cast<Index>(sizeof(S)) / std::max<Index>(D, 1) / 4 * 4);
     const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : paced ? paced_keys : block;
-    float* q_block = s.q_block.data();
+    float* q_block = st.q_block.data();
     float* acc_s = s.acc_s.data();
-    float* acc_o = s.acc_o.data();
-    OnlineSoftmax<Tag, false> softmax = softmax_over<false>(s);
-    const KeyRange range = begin_task(t, s, softmax);
-    const MaskGeometry& geometry = s.masks[0].geometry;
-    const bool data_mask = s.masks[0].has_data_mask();
+    float* acc_o = st.acc_o.data();
+    OnlineSoftmax<Tag, false> softmax = softmax_over<false>(st);
+    const KeyRange range = begin_task(t, st, softmax);
+    const MaskGeometry& geometry = st.masks[0].geometry;
+    const bool data_mask = st.masks[0].has_data_mask();
     const bool dropout = params_.dropout.active();
-    const BlockRows block_rows{s.masks.data(), rows, t.i_begin};
+    const BlockRows block_rows{st.masks.data(), rows, t.i_begin};
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
@@ -432,7 +517,7 @@ class FusedAttention {
         k_ahead.template flush<kLocality>();  // keys left over after the last whole step issue nothing
       }
       const bool index_mask = visibility == TileVisibility::partial;
-      finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, s.scaled);
+      finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, st.scaled);
       for (Index r = 0; r < M; ++r) softmax.update(r, acc_s + r * ldS, 0, n);
 
       if (Dv == 0) continue;

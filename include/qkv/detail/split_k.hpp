@@ -1,9 +1,11 @@
 // qkv/detail/split_k.hpp — the fused kernel's tasks, and the split-K merge of their partial results.
 //
-// A task is one (sequence, kv head, query tile): the tile's rows of every query head of the group. A sequence with
-// a single query tile and more than kSplitKeys keys (decoding, or a short prefill against many keys) is split into
-// chunks of kSplitKeys keys, a number fixed by the shape and never by the thread count; each chunk is a task that
-// writes a partial (out, lse) state, lse in base e, to a slot of its own, and `merge` combines the chunks of each
+// A task is one (sequence, kv head, query tile): the tile's rows of every query head of the group. Threads take groups
+// of tasks: a prefill sequence planned in groups (fused_attention.hpp, plans()) has its consecutive query tiles of each
+// kv head taken group_tiles at a time, by one thread, key chunk by key chunk; any other task is a group of its own. A
+// sequence with a single query tile and more than kSplitKeys keys (decoding, or a short prefill against many keys) is
+// split into chunks of kSplitKeys keys, a number fixed by the shape and never by the thread count; each chunk is a task
+// that writes a partial (out, lse) state, lse in base e, to a slot of its own, and `merge` combines the chunks of each
 // (sequence, kv head, query tile) in chunk order (softmax.hpp, merge_state). So results are bit-identical for any
 // number of threads.
 //
@@ -44,15 +46,25 @@ struct FusedTask {
   Index partial = -1;                ///< split tasks: index of their (out, lse) slot; −1 = write the output
 };
 
-/// How one sequence is cut into tasks: kv heads per task and keys per split-K chunk.
+/// How one sequence is cut into tasks: kv heads per task and keys per split-K chunk; and for an unsplit prefill
+/// sequence, query tiles per group and keys per group chunk (group_tiles 1: every task on its own).
 struct SequencePlan {
   Index kv_heads = 1;
   Index split_keys = 0;
+  Index group_tiles = 1;
+  Index chunk_keys = 0;
 };
 
-/// Every task of a call, in (sequence, kv head, query tile, key chunk) order, and the partial slots of the split
-/// ones: max_rows() = the most block rows of a task (G · rows_per_tile, or G · Sq · n_kv for a multi-head decoding
-/// task) rows of Dv floats and one lse each.
+/// Consecutive tasks (query tiles of one (sequence, kv head)) that one thread runs together, key chunk by key chunk
+/// (fused_attention.hpp, run_prefill_group); a group of one task runs it alone.
+struct TaskGroup {
+  Index first = 0, count = 1;  ///< tasks [first, first + count) of FusedTasks::tasks()
+  Index chunk_keys = 0;        ///< keys per chunk where count > 1
+};
+
+/// Every task of a call, in (sequence, kv head, query tile, key chunk) order, their groups, and the partial slots of
+/// the split ones: max_rows() = the most block rows of a task (G · rows_per_tile, or G · Sq · n_kv for a multi-head
+/// decoding task) rows of Dv floats and one lse each.
 class FusedTasks {
  public:
   /// Builds the tasks of `shape` for query tiles of `rows_per_tile` rows, each sequence cut as plans[b] says.
@@ -60,7 +72,9 @@ class FusedTasks {
     G_ = shape.group;
     Dv_ = shape.Dv;
     max_rows_ = 0;
+    max_group_ = 1;
     tasks_.clear();
+    groups_.clear();
     Index partials = 0;
     work_ = 0;
     for (Index b = 0; b < shape.n_sequences; ++b) {
@@ -70,9 +84,16 @@ class FusedTasks {
       const Index tiles = (sq + rows_per_tile - 1) / rows_per_tile;
       const Index split_keys = plans[s].split_keys, kv_heads = std::max<Index>(1, plans[s].kv_heads);
       const Index chunks = tiles == 1 && skv > split_keys ? (skv + split_keys - 1) / split_keys : 1;
+      // Unsplit tiles of a sequence planned in groups go group_tiles at a time; every other task alone.
+      const Index group_tiles = chunks == 1 ? std::max<Index>(1, plans[s].group_tiles) : 1;
       for (Index h_kv = 0; h_kv < shape.Hkv; h_kv += kv_heads) {
         for (Index tile = 0; tile < tiles; ++tile) {
           for (Index c = 0; c < chunks; ++c) {
+            if (tile % group_tiles == 0) {  // a group's first task (every task where group_tiles is 1)
+              const Index count = std::min(group_tiles, tiles - tile);
+              groups_.push_back({static_cast<Index>(tasks_.size()), count, plans[s].chunk_keys});
+              max_group_ = std::max(max_group_, count);
+            }
             FusedTask t;
             t.sequence = b;
             t.h_kv = h_kv;
@@ -99,6 +120,10 @@ class FusedTasks {
   /// The most block rows of any task (0 without tasks).
   Index max_rows() const noexcept { return max_rows_; }
   const std::vector<FusedTask>& tasks() const noexcept { return tasks_; }
+  /// The groups, in task order, covering every task once.
+  const std::vector<TaskGroup>& groups() const noexcept { return groups_; }
+  /// The most tasks of a group (1 without groups).
+  Index max_group() const noexcept { return max_group_; }
   /// Multiply-adds of every task, an upper bound (for the threading decision).
   Index work() const noexcept { return work_; }
 
@@ -143,8 +168,9 @@ class FusedTasks {
   }
 
  private:
-  Index G_ = 1, Dv_ = 0, max_rows_ = 0;
+  Index G_ = 1, Dv_ = 0, max_rows_ = 0, max_group_ = 1;
   std::vector<FusedTask> tasks_;
+  std::vector<TaskGroup> groups_;
   Index partial_count_ = 0;
   Index work_ = 0;
   AlignedBuffer partial_out_, partial_lse_;
