@@ -78,7 +78,7 @@ struct Case : brute::Shape {
   std::vector<float> bias{};  // storage behind options.bias
   std::vector<char> allowed{};
   /// Component 0 of every key set to 3e38 and of every query to 0: the scores do not change (0 · 3e38 = 0 in float
-  /// and double), but the base-2 check's bound Σ|q'|·max|k| (run_prefill_task, base2_fits) passes FLT_MAX as soon
+  /// and double), but the base-2 check's bound Σ|q'|·max|k| (begin_prefill, base2_fits) passes FLT_MAX as soon
   /// as Σ|q'| of some row of a task exceeds 1.14, so that task runs its softmax in base e. Without softcap, bias or
   /// ALiBi (whose tasks are checked score by score instead) and with D ≥ 3 every prefill task of the grid below
   /// does: its rows' Σ|q'| are far above 1.14.

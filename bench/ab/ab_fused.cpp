@@ -331,9 +331,10 @@ constexpr Shape kShapes[] = {
     {"prefill200x520", 1, 4, 1, 200, 520, 64, 64, Layout::bshd},  // Sq < Skv, MQA
     {"prefill260x100", 1, 2, 2, 260, 100, 32, 48, Layout::bhsd},  // Sq > Skv (bottom-right causal: empty rows)
     {"odd33x77", 2, 6, 2, 33, 77, 80, 72, Layout::bshd},          // odd sizes, D ≠ Dv, GQA 3
-    // Prefill groups (fused_attention.hpp, run_prefill_group): D + Dv = 120 floats a key, chunks of 4096 keys, two
-    // chunks (the second 604 keys); G = 2, 48 rows per tile, 9 tiles: a group of 8 and one of 1.
-    {"prefill_group", 1, 4, 2, 400, 4700, 64, 56, Layout::bhsd},
+    // Prefill groups (fused_attention.hpp, run_prefill_group): D + Dv = 120 floats a key (4.1 MiB of K and V per kv
+    // head), chunks of 4096 keys, three chunks (the last 808 keys); G = 2, 48 rows per tile, 9 tiles: groups of 8
+    // and 1.
+    {"prefill_group", 1, 4, 2, 400, 9000, 64, 56, Layout::bhsd},
     {"decode4096", 2, 32, 8, 1, 4096, 128, 128, Layout::bshd},    // decoding, GQA 32/8, split-K in 2 chunks
     {"decode5000", 1, 32, 8, 1, 5000, 128, 128, Layout::bhsd},    // decoding, split-K with a short last chunk
     {"short3x5000", 1, 16, 2, 3, 5000, 128, 128, Layout::bshd},   // prefill path (Sq·G = 24 rows), split-K

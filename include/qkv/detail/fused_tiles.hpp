@@ -50,9 +50,10 @@ struct FusedTiles {
   /// kPrefillGroupTiles at a time, key chunk by key chunk (fused_attention.hpp, run_prefill_group), so that a chunk
   /// of kPrefillChunkBytes (rounded down to whole key tiles: 2048 keys at D = Dv = 128) read from memory serves every
   /// tile of the group from L3, instead of each tile streaming the whole of K and V. A group's Q blocks and softmax
-  /// states (96 KiB each at D = Dv = 128) wait in L2 or L3 between chunks. Measured on Zen 5 (one thread, D = 128,
-  /// paired against tiles alone; bench/README.md, "2026-12-07, fortieth session"): T = 16384 (16 MiB of K and V per
-  /// head) took 0.91-0.93 of the time, T = 8192 0.97; T = 4096 (4 MiB) 1.015, hence the threshold.
+  /// states (96 KiB each at D = Dv = 128) wait in L2 or L3 between chunks. Measured on Zen 5 (D = 128, paired against
+  /// tiles alone; bench/README.md, "2026-12-07, fortieth session"): T = 16384 (16 MiB of K and V per head) took
+  /// 0.92-0.96 of the time on one thread, 0.915 on two; T = 8192 0.97-1.005; grouped at T = 4096 (4 MiB) 1.015, hence
+  /// the threshold. 16 tiles a group took 0.99 of 8's time (noise).
   static constexpr Index kPrefillGroupBytes = Index(4) << 20;
   static constexpr Index kPrefillChunkBytes = Index(2) << 20;
   static constexpr Index kPrefillGroupTiles = 8;
@@ -96,7 +97,7 @@ struct FusedTiles {
   /// Key chunks (split-K) a grouped decoding sequence is cut into where it has that many blocks, so that threads
   /// share it: it is one task per chunk, not one per kv head.
   static constexpr Index kDecodeMinChunks = 4;
-  /// Whether the decoding task is compiled a second time with its prefetches into L2 (run_task, isa.hpp's
+  /// Whether the decoding task is compiled a second time with its prefetches into L2 (run_group, isa.hpp's
   /// decode_prefetch_level): the vector kernels only. On a CPU that picks L2 (Zen 4, with AVX-512) the scalar kernel
   /// runs only under the QKV_ISA=scalar pin or in a build without dispatch (QKV_DISPATCH=0) whose flags lack AVX2, and
   /// prefetches into L1 there too, so that a dispatching build compiles one decoding copy fewer. The AVX2 kernel keeps

@@ -3,7 +3,7 @@
 //
 // The prefill softmax works in base 2: Q is multiplied by scale·log2 e once, so that exp2 of a score difference is
 // exp of the true one. Base 2 holds a score only up to FLT_MAX / log2 e ≈ 2.4e38; `base2_fits` bounds the task's
-// scores before it starts, and a task that could pass that bound runs in base e (fused_attention.hpp, run_task).
+// scores before it starts, and a task that could pass that bound runs in base e (fused_attention.hpp, run_group).
 // Pre-scaling must not change which scores are infinite: a q that underflows keeps its sign (underflowed_product),
 // and where the factor or a finite q·factor overflows, Q stays unscaled and the scores are scaled after Q·Kᵀ.
 //
