@@ -320,7 +320,7 @@ TEST(Fused, PrefillGroupsTakeTheirKeysChunkByChunk) {
       for (Index h = 0; h < c.Hq; ++h) o.alibi_slopes.push_back(std::ldexp(1.0f, -static_cast<int>(h + 1)));
     }
     if (!o.sinks.empty()) o.sinks.assign(static_cast<std::size_t>(c.Hq), 1.5f);
-    if (!o.key_lengths.empty()) o.key_lengths = {pick(c.Skv / 2, c.Skv)};
+    if (!o.key_lengths.empty()) o.key_lengths = {pick(4097, c.Skv)};  // still past kPrefillGroupBytes
     if (!c.bias.empty() || o.bias.extent(1) != 0) {
       c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.25f);
       c.bias[7] = -std::numeric_limits<float>::infinity();
@@ -331,9 +331,10 @@ TEST(Fused, PrefillGroupsTakeTheirKeysChunkByChunk) {
       for (Index j = 0; j < c.Skv; j += 5) c.allowed[static_cast<std::size_t>(j)] = 0;
       o.allowed = qkv::TensorView4<const bool>(reinterpret_cast<const bool*>(c.allowed.data()), {1, 1, 1, c.Skv});
     }
-    if (!o.cu_seqlens_q.empty()) {  // an ungrouped sequence, an empty one, a grouped one
-      o.cu_seqlens_q = {0, c.Sq / 2, c.Sq / 2, c.Sq};
+    if (!o.cu_seqlens_q.empty()) {  // an ungrouped sequence, an empty one, a grouped one (two query tiles or more)
+      o.cu_seqlens_q = {0, 100, 100, c.Sq + 100};
       o.cu_seqlens_k = {0, 1500, 1900, c.Skv + 1900};
+      c.Sq += 100;
       c.Skv += 1900;
     }
     check_case(c, static_cast<unsigned>(600 + trial));
@@ -345,8 +346,8 @@ TEST(Fused, PrefillGroupRerunsOneTileInBaseEAfterAnOverflowInALaterChunk) {
   // A bias of 3e38 at query 100 (the third of five tiles of 48 stacked rows, GQA 2/1) and key 2300, in the second
   // of three chunks of 2048 keys: the group's five tiles have taken the first in base 2 when that tile's finished score
   // overflows; that tile alone runs again in base e from a clean state, the others go on in base 2 with their
-  // state. Causal (bottom-right: every key visible to every row here) against the float64 reference under the
-  // grid's rule; that row is one-hot on the biased key.
+  // state. Causal, bottom-right (row i sees keys up to i + 4200, so key 2300 is visible to every row), against the
+  // float64 reference under the grid's rule; that row is one-hot on the biased key.
   Case c{{1, 2, 1, 200, 4400, 128, 128}};
   c.options.causal = true;
   c.options.alignment = qkv::CausalAlignment::bottom_right;
@@ -619,7 +620,9 @@ TEST(Fused, VectorTailsAndTileEdges) {
 }
 
 /// Runs two prefill shapes and a decode shape with the given thread count; returns the outputs concatenated. At D =
-/// 128 the prefill's K and V (4.4 MiB per kv head) exceed kPrefillGroupBytes: groups of 8 and 5 query tiles.
+/// 128 the prefill's K and V (4.4 MiB per kv head) exceed kPrefillGroupBytes: its 9 query tiles per kv head (18 in
+/// all) go in groups of 8 and 1 on one thread, of 2 on two (kPrefillGroupsPerThread) and alone on three, so that the
+/// comparison also holds groups against tiles alone.
 std::vector<float> run_with_threads(int threads) {
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
@@ -627,7 +630,7 @@ std::vector<float> run_with_threads(int threads) {
   (void)threads;
 #endif
   std::vector<float> result;
-  const std::pair<Index, Index> shapes[] = {{300, 64}, {1, 64}, {300, 128}};  // (Sq, D = Dv)
+  const std::pair<Index, Index> shapes[] = {{300, 64}, {1, 64}, {200, 128}};  // (Sq, D = Dv)
   for (const auto& [sq, D] : shapes) {
     const Index Hq = 8, Hkv = 2, Skv = 4500;
     std::mt19937 rng(9);

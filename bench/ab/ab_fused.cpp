@@ -332,8 +332,8 @@ constexpr Shape kShapes[] = {
     {"prefill260x100", 1, 2, 2, 260, 100, 32, 48, Layout::bhsd},  // Sq > Skv (bottom-right causal: empty rows)
     {"odd33x77", 2, 6, 2, 33, 77, 80, 72, Layout::bshd},          // odd sizes, D ≠ Dv, GQA 3
     // Prefill groups (fused_attention.hpp, run_prefill_group): D + Dv = 120 floats a key (4.1 MiB of K and V per kv
-    // head), chunks of 4096 keys, three chunks (the last 808 keys); G = 2, 48 rows per tile, 9 tiles: groups of 8
-    // and 1.
+    // head), chunks of 4096 keys on AVX-512 (512-key tiles; the last of three 808 keys), 4352 on AVX2 and the scalar
+    // kernel (256-key tiles); G = 2, 48 rows per tile, 9 tiles: groups of 8 and 1 on one thread, 2 on two.
     {"prefill_group", 1, 4, 2, 400, 9000, 64, 56, Layout::bhsd},
     {"decode4096", 2, 32, 8, 1, 4096, 128, 128, Layout::bshd},    // decoding, GQA 32/8, split-K in 2 chunks
     {"decode5000", 1, 32, 8, 1, 5000, 128, 128, Layout::bhsd},    // decoding, split-K with a short last chunk
@@ -637,12 +637,12 @@ Problem make_problem(const Shape& shape, Preset preset, const BaseData& base, un
     case Preset::bias_huge_late: {  // [1, Hq, Sq, Skv]; 2.5e38 at one (row, key) of the last head, late in its task
       // Query min(100, Sq − 1) (past the first query tile where Sq > 96), key min(600, Skv − 1) (past the first key
       // tile where Skv > 256): the prefill task aborts base 2 after its softmax state moved, and reruns in base e.
-      // Past 4200 keys, key 4200: in a prefill group's second chunk (prefill_group), after the group's other tasks
+      // prefill_group (9000 keys): key 4500, in its groups' second chunk on every kernel, after the group's other tasks
       // took the first.
       p.bias_extents = {1, p.Hq, p.Sq, p.Skv};
       p.bias.resize(static_cast<std::size_t>(p.Hq * p.Sq * p.Skv));
       for (auto& x : p.bias) x = 0.5f * normal(rng);
-      const Index i = std::min<Index>(100, p.Sq - 1), j = p.Skv > 4200 ? 4200 : std::min<Index>(600, p.Skv - 1);
+      const Index i = std::min<Index>(100, p.Sq - 1), j = p.Skv == 9000 ? 4500 : std::min<Index>(600, p.Skv - 1);
       p.bias[static_cast<std::size_t>(((p.Hq - 1) * p.Sq + i) * p.Skv + j)] = 2.5e38f;
       break;
     }

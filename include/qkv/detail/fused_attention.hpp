@@ -123,7 +123,11 @@ class FusedAttention {
       decode_[static_cast<std::size_t>(b)] =
           shape_.q_rows[static_cast<std::size_t>(b)].length * G_ <= Tiles::kDecodeRows;
     }
-    tasks_.build(shape_, rows_per_tile_, plans());
+    int team = 1;  // the threads a team would have (for the size of prefill groups only)
+#if defined(_OPENMP)
+    if (may_open_team()) team = omp_get_max_threads();
+#endif
+    tasks_.build(shape_, rows_per_tile_, plans(team));
     decode_rows_ = 0;
     for (const FusedTask& t : tasks_.tasks()) {
       if (decode_[static_cast<std::size_t>(t.sequence)]) decode_rows_ = std::max(decode_rows_, tasks_.rows(t));
@@ -182,21 +186,35 @@ class FusedAttention {
   /// kv heads side by side: view_bshd, the packed Eigen entry point) takes as many kv heads per task as kBlockM rows
   /// allow, so that a task streams whole contiguous key rows instead of striding through them one head at a time,
   /// and it is split into at least kDecodeMinChunks key chunks where it has that many blocks, so that the threads
-  /// share it. A prefill sequence whose packed K and V exceed kPrefillGroupBytes per kv head takes its query tiles in
-  /// groups of kPrefillGroupTiles, over chunks of kPrefillChunkBytes (run_prefill_group). The plan depends on the
-  /// shapes and strides only, never on the thread count.
-  std::vector<SequencePlan> plans() const {
+  /// share it. That much depends on the shapes and strides only, never on the thread count. A prefill sequence whose
+  /// packed K and V exceed kPrefillGroupBytes per kv head takes its query tiles in groups over chunks of
+  /// kPrefillChunkBytes (run_prefill_group): kPrefillGroupTiles tiles a group on one thread, and on a team of `team`
+  /// threads as many as leave kPrefillGroupsPerThread groups per thread among all such tiles of the call (at least
+  /// one tile), so that a call of few tiles still spreads over the team. Groups change no bits.
+  std::vector<SequencePlan> plans(int team) const {
     const bool token_major = shape_.Hkv > 1 && k_.stride(2) > k_.stride(1) && v_.stride(2) > v_.stride(1);
     const Index key_bytes = std::max<Index>(1, (shape_.D + shape_.Dv) * static_cast<Index>(sizeof(float)));
     const Index chunk_keys =
         std::max<Index>(1, Tiles::kPrefillChunkBytes / key_bytes / Tiles::kBlockN) * Tiles::kBlockN;
+    const auto grouped = [&](std::size_t seq) {
+      return !decode_[seq] && shape_.key_counts[seq] * key_bytes > Tiles::kPrefillGroupBytes;
+    };
+    Index group_tiles = Tiles::kPrefillGroupTiles;
+    if (team > 1) {
+      Index tiles = 0;  // the query tiles of every kv head of the grouped sequences
+      for (Index b = 0; b < shape_.n_sequences; ++b) {
+        const std::size_t seq = static_cast<std::size_t>(b);
+        if (grouped(seq)) tiles += (shape_.q_rows[seq].length + rows_per_tile_ - 1) / rows_per_tile_ * shape_.Hkv;
+      }
+      group_tiles = std::clamp<Index>(tiles / (Tiles::kPrefillGroupsPerThread * team), 1, group_tiles);
+    }
     std::vector<SequencePlan> result(static_cast<std::size_t>(shape_.n_sequences));
     for (Index b = 0; b < shape_.n_sequences; ++b) {
       const std::size_t seq = static_cast<std::size_t>(b);
       SequencePlan& plan = result[seq];
       plan.split_keys = Tiles::kSplitKeys;
-      if (!decode_[seq] && shape_.key_counts[seq] * key_bytes > Tiles::kPrefillGroupBytes) {
-        plan.group_tiles = Tiles::kPrefillGroupTiles;
+      if (grouped(seq)) {
+        plan.group_tiles = group_tiles;
         plan.chunk_keys = chunk_keys;
       }
       const Index group_rows = G_ * shape_.q_rows[seq].length;
@@ -246,89 +264,89 @@ class FusedAttention {
   }
 
   template <bool kBase2>
-  OnlineSoftmax<Tag, kBase2> softmax_over(TaskState& st) const noexcept {
-    return OnlineSoftmax<Tag, kBase2>(st.row_max.data(), st.row_sum.data(), st.row_nan.data(), st.acc_o.data(),
-                                      shape_.Dv);
+  OnlineSoftmax<Tag, kBase2> softmax_over(TaskState& state) const noexcept {
+    return OnlineSoftmax<Tag, kBase2>(state.row_max.data(), state.row_sum.data(), state.row_nan.data(),
+                                      state.acc_o.data(), shape_.Dv);
   }
 
   /// The start of a task: the head masks of its query heads (G per kv head), its Q block (query_block.hpp), its
   /// softmax state cleared, its key range (the mask's key range of its rows ∩ its split-K chunk) set and returned.
   template <bool kBase2>
-  KeyRange begin_task(const FusedTask& t, TaskState& s, OnlineSoftmax<Tag, kBase2>& softmax) const {
+  KeyRange begin_task(const FusedTask& t, TaskState& state, OnlineSoftmax<Tag, kBase2>& softmax) const {
     constexpr float kLog2e = simd::exp_constants::kLog2e;
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), rows = t.i_end - t.i_begin, heads = G_ * t.n_kv;
     const Index sq = shape_.q_rows[seq].length, skv = shape_.key_counts[seq];
     for (Index g = 0; g < heads; ++g) {
-      s.masks[static_cast<std::size_t>(g)] = params_.head_mask(vb, t.h_kv * G_ + g, sq, skv);
+      state.masks[static_cast<std::size_t>(g)] = params_.head_mask(vb, t.h_kv * G_ + g, sq, skv);
     }
-    const bool with_log2e = kBase2 && !s.masks[0].modifies_scores();
+    const bool with_log2e = kBase2 && !state.masks[0].modifies_scores();
     const float scale = params_.rules.scale;
-    s.scaled =
-        load_query_block(q_, vb, t.h_kv * G_, heads, shape_.q_rows[seq].begin + t.i_begin, rows, shape_.D,
-                         with_log2e ? params_.scale_log2e : scale, scale, with_log2e ? kLog2e : 1.0f, s.q_block.data());
+    state.scaled = load_query_block(q_, vb, t.h_kv * G_, heads, shape_.q_rows[seq].begin + t.i_begin, rows, shape_.D,
+                                    with_log2e ? params_.scale_log2e : scale, scale, with_log2e ? kLog2e : 1.0f,
+                                    state.q_block.data());
     softmax.reset(heads * rows);
-    KeyRange range = s.masks[0].geometry.key_range(t.i_begin, t.i_end);
+    KeyRange range = state.masks[0].geometry.key_range(t.i_begin, t.i_end);
     range.begin = std::max(range.begin, t.key_begin);
     range.end = std::min(range.end, t.key_end);
-    s.range = range;
+    state.range = range;
     return range;
   }
 
   /// The prefill task (K and V packed) alone: begin_prefill, its key tiles (prefill_tiles), its rows finished. With
   /// kBase2, returns false, having written nothing, when a score could overflow base 2.
   template <bool kBase2>
-  bool run_prefill_task(const FusedTask& t, FusedScratch& s, TaskState& st) const {
-    if (!begin_prefill<kBase2>(t, st) || !prefill_tiles<kBase2>(t, s, st, 0, st.range.end)) return false;
-    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(st);
+  bool run_prefill_task(const FusedTask& t, FusedScratch& s, TaskState& state) const {
+    if (!begin_prefill<kBase2>(t, state) || !prefill_tiles<kBase2>(t, s, state, 0, state.range.end)) return false;
+    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(state);
     finish_rows(t, softmax);
     return true;
   }
 
   /// A group of prefill tasks: consecutive query tiles of one (sequence, kv head) whose packed K and V exceed
-  /// kPrefillGroupBytes (plans()). Key chunks outermost: each task of the group takes the key tiles that start in a chunk in
-  /// turn, so that the chunk's packed K and V (group.chunk_keys keys, kPrefillChunkBytes), read from memory by the
-  /// first, serve the others from L3, where a task alone would stream the whole of K and V once per query tile. Each
-  /// task keeps its state (FusedScratch::states) between chunks and meets its key tiles in the order it would alone:
-  /// the same bits. A task whose scores could overflow base 2 runs alone in base e, from its start, as run_group's
-  /// does (at the start, or at the chunk where a finished score overflowed).
+  /// kPrefillGroupBytes (plans()). Its key chunks (group.chunk_keys keys, kPrefillChunkBytes; not split-K's chunks)
+  /// outermost: each task of the group takes the key tiles that start in a chunk in turn, so that the chunk's packed K
+  /// and V, read from memory by the first, serve the others from L3, where a task alone would stream the whole of K
+  /// and V once per query tile. Each task keeps its state (FusedScratch::states) between chunks and meets its key
+  /// tiles in the order it would alone: the same bits. A task whose scores could overflow base 2 runs alone in base e,
+  /// from its start, as run_group's does (at the start, or at the chunk where a finished score overflowed).
   void run_prefill_group(const TaskGroup& group, FusedScratch& s) const {
     const FusedTask* tasks = tasks_.tasks().data() + group.first;
     Index key_end = 0;
-    for (Index k = 0; k < group.count; ++k) {
-      TaskState& st = s.states[static_cast<std::size_t>(k)];
-      st.live = begin_prefill<true>(tasks[k], st);
-      if (st.live) {
-        key_end = std::max(key_end, st.range.end);
+    for (Index member = 0; member < group.count; ++member) {
+      TaskState& state = s.states[static_cast<std::size_t>(member)];
+      state.live = begin_prefill<true>(tasks[member], state);
+      if (state.live) {
+        key_end = std::max(key_end, state.range.end);
       } else {
-        run_prefill_task<false>(tasks[k], s, st);
+        run_prefill_task<false>(tasks[member], s, state);
       }
     }
     for (Index from = 0; from < key_end; from += group.chunk_keys) {
-      for (Index k = 0; k < group.count; ++k) {
-        TaskState& st = s.states[static_cast<std::size_t>(k)];
-        if (st.live && !prefill_tiles<true>(tasks[k], s, st, from, from + group.chunk_keys)) {
-          st.live = false;
-          run_prefill_task<false>(tasks[k], s, st);
+      for (Index member = 0; member < group.count; ++member) {
+        TaskState& state = s.states[static_cast<std::size_t>(member)];
+        if (state.live && !prefill_tiles<true>(tasks[member], s, state, from, from + group.chunk_keys)) {
+          state.live = false;
+          run_prefill_task<false>(tasks[member], s, state);
         }
       }
     }
-    for (Index k = 0; k < group.count; ++k) {
-      TaskState& st = s.states[static_cast<std::size_t>(k)];
-      if (!st.live) continue;
-      OnlineSoftmax<Tag, true> softmax = softmax_over<true>(st);
-      finish_rows(tasks[k], softmax);
+    for (Index member = 0; member < group.count; ++member) {
+      TaskState& state = s.states[static_cast<std::size_t>(member)];
+      if (!state.live) continue;
+      OnlineSoftmax<Tag, true> softmax = softmax_over<true>(state);
+      finish_rows(tasks[member], softmax);
     }
   }
 
   /// A prefill task's start (begin_task); with kBase2, false where its scores could overflow base 2.
   template <bool kBase2>
-  bool begin_prefill(const FusedTask& t, TaskState& st) const {
-    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(st);
-    begin_task(t, st, softmax);
-    return !kBase2 || st.masks[0].modifies_scores() ||
-           base2_fits<Tag>(st.q_block.data(), G_ * (t.i_end - t.i_begin), shape_.D,
-                           packed_.key_abs_max(t.sequence, t.h_kv), st.scaled);
+  bool begin_prefill(const FusedTask& t, TaskState& state) const {
+    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(state);
+    begin_task(t, state, softmax);
+    return !kBase2 || state.masks[0].modifies_scores() ||
+           base2_fits<Tag>(state.q_block.data(), G_ * (t.i_end - t.i_begin), shape_.D,
+                           packed_.key_abs_max(t.sequence, t.h_kv), state.scaled);
   }
 
   /// The key tiles of a begun prefill task (K and V packed) that start in keys [from, to): key tiles outermost, so
@@ -338,21 +356,21 @@ class FusedAttention {
   /// window's strip starts at its first). The tiles start at the task's first key rounded down to a panel, kBlockN
   /// apart, whatever [from, to) is. With kBase2, returns false when a score finished in base e overflowed base 2.
   template <bool kBase2>
-  bool prefill_tiles(const FusedTask& t, FusedScratch& s, TaskState& st, Index from, Index to) const {
+  bool prefill_tiles(const FusedTask& t, FusedScratch& s, TaskState& state, Index from, Index to) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence);
     const Index kv_row0 = shape_.kv_rows[seq].begin, skv = shape_.key_counts[seq];
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, M = G_ * rows;
     const Index ldS = Tiles::kBlockN, ldv = v_.stride(2);
-    const float* q_block = st.q_block.data();
+    const float* q_block = state.q_block.data();
     float* s_strip = s.acc_s.data();  // a strip's scores: R rows, ldS apart; columns [first, n) are keys j0 + first …
-    float* acc_o = st.acc_o.data();
-    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(st);
-    const KeyRange range = st.range;
-    const MaskGeometry& geometry = st.masks[0].geometry;
-    const bool data_mask = st.masks[0].has_data_mask();
+    float* acc_o = state.acc_o.data();
+    OnlineSoftmax<Tag, kBase2> softmax = softmax_over<kBase2>(state);
+    const KeyRange range = state.range;
+    const MaskGeometry& geometry = state.masks[0].geometry;
+    const bool data_mask = state.masks[0].has_data_mask();
     const bool dropout = params_.dropout.active();
-    const BlockRows block{st.masks.data(), rows, t.i_begin};
+    const BlockRows block{state.masks.data(), rows, t.i_begin};
     const float* packed_k = packed_.keys(t.sequence, t.h_kv);
     const float* packed_v = packed_.values(t.sequence, t.h_kv);
     Index first_tile = range.begin / kPanel * kPanel;
@@ -388,7 +406,7 @@ class FusedAttention {
             qk_panel<Tag, kR>(q_block + r0 * D, D, packed_k + (j0 / kPanel + p) * D * kPanel, D, s_strip + p * kPanel,
                               ldS, n - p * kPanel);
           }
-          if (!finish_score_tile<kBase2>(s_strip, ldS, r0, kR, first, n, j0, block, index_mask, st.scaled)) {
+          if (!finish_score_tile<kBase2>(s_strip, ldS, r0, kR, first, n, j0, block, index_mask, state.scaled)) {
             fits = false;  // the task runs again in base e
             return;
           }
@@ -432,7 +450,7 @@ class FusedAttention {
   /// change no result. kLocality also sets a grouped task's P·V step for float V on 16-lane tags
   /// (kPvGroupedKeysPerStep: four keys in the L2 copy, two in the L1 copy), which changes no result either.
   template <int kLocality>
-  void run_decode_task(const FusedTask& t, FusedScratch& s, TaskState& st) const {
+  void run_decode_task(const FusedTask& t, FusedScratch& s, TaskState& state) const {
     const std::size_t seq = static_cast<std::size_t>(t.sequence);
     const Index vb = shape_.view_batch(t.sequence), kv_row0 = shape_.kv_rows[seq].begin;
     const Index D = shape_.D, Dv = shape_.Dv, rows = t.i_end - t.i_begin, GR = G_ * rows, M = GR * t.n_kv;
@@ -448,15 +466,15 @@ class FusedAttention {
     const Index paced_keys =
         std::max<Index>(4, Tiles::kDecodePacedBytes / static_cast<Index>(sizeof(S)) / std::max<Index>(D, 1) / 4 * 4);
     const Index sub_keys = grouped ? Tiles::kDecodeGroupKeys : paced ? paced_keys : block;
-    float* q_block = st.q_block.data();
+    float* q_block = state.q_block.data();
     float* acc_s = s.acc_s.data();
-    float* acc_o = st.acc_o.data();
-    OnlineSoftmax<Tag, false> softmax = softmax_over<false>(st);
-    const KeyRange range = begin_task(t, st, softmax);
-    const MaskGeometry& geometry = st.masks[0].geometry;
-    const bool data_mask = st.masks[0].has_data_mask();
+    float* acc_o = state.acc_o.data();
+    OnlineSoftmax<Tag, false> softmax = softmax_over<false>(state);
+    const KeyRange range = begin_task(t, state, softmax);
+    const MaskGeometry& geometry = state.masks[0].geometry;
+    const bool data_mask = state.masks[0].has_data_mask();
     const bool dropout = params_.dropout.active();
-    const BlockRows block_rows{st.masks.data(), rows, t.i_begin};
+    const BlockRows block_rows{state.masks.data(), rows, t.i_begin};
     // The kv heads of a grouped task lie side by side in each key row: its rows span this many floats.
     const Index k_span = (t.n_kv - 1) * k_.stride(1) + D, v_span = (t.n_kv - 1) * v_.stride(1) + Dv;
     constexpr Index kQkStep = kQkKeysPerStep<Tag>;
@@ -517,7 +535,7 @@ class FusedAttention {
         k_ahead.template flush<kLocality>();  // keys left over after the last whole step issue nothing
       }
       const bool index_mask = visibility == TileVisibility::partial;
-      finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, st.scaled);
+      finish_score_tile<false>(acc_s, ldS, 0, M, 0, n, j0, block_rows, index_mask, state.scaled);
       for (Index r = 0; r < M; ++r) softmax.update(r, acc_s + r * ldS, 0, n);
 
       if (Dv == 0) continue;

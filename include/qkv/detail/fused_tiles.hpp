@@ -47,16 +47,20 @@ struct FusedTiles {
   static constexpr Index kBlockN = kWide ? 512 : 256;  ///< keys per prefill tile (a multiple of every kPanel)
   static constexpr Index kSplitKeys = 2048;         ///< keys per split-K chunk (a single query tile)
   /// A prefill (sequence, kv head) whose packed K and V exceed kPrefillGroupBytes has its query tiles taken
-  /// kPrefillGroupTiles at a time, key chunk by key chunk (fused_attention.hpp, run_prefill_group), so that a chunk
-  /// of kPrefillChunkBytes (rounded down to whole key tiles: 2048 keys at D = Dv = 128) read from memory serves every
-  /// tile of the group from L3, instead of each tile streaming the whole of K and V. A group's Q blocks and softmax
-  /// states (96 KiB each at D = Dv = 128) wait in L2 or L3 between chunks. Measured on Zen 5 (D = 128, paired against
-  /// tiles alone; bench/README.md, "2026-12-07, fortieth session"): T = 16384 (16 MiB of K and V per head) took
-  /// 0.92-0.96 of the time on one thread, 0.915 on two; T = 8192 0.97-1.005; grouped at T = 4096 (4 MiB) 1.015, hence
-  /// the threshold. 16 tiles a group took 0.99 of 8's time (noise).
+  /// kPrefillGroupTiles at a time (fewer on a team: kPrefillGroupsPerThread), key chunk by key chunk
+  /// (fused_attention.hpp, run_prefill_group), so that a chunk of kPrefillChunkBytes (rounded down to whole key tiles:
+  /// 2048 keys at D = Dv = 128) read from memory serves every tile of the group from L3, instead of each tile streaming
+  /// the whole of K and V. A group's Q blocks and softmax states (96 KiB each at D = Dv = 128) wait in L2 or L3 between
+  /// chunks. Measured on Zen 5 (D = 128, paired against tiles alone; bench/README.md, "2026-12-07, fortieth session"):
+  /// T = 16384 (16 MiB of K and V per head) took 0.92-0.96 of the time on one thread, 0.915 on two; T = 8192
+  /// 0.97-1.005; grouped at T = 4096 (4 MiB) 1.015, hence the threshold. 16 tiles a group took 0.99 of 8's time
+  /// (noise).
   static constexpr Index kPrefillGroupBytes = Index(4) << 20;
   static constexpr Index kPrefillChunkBytes = Index(2) << 20;
   static constexpr Index kPrefillGroupTiles = 8;
+  /// On a team, groups shrink below kPrefillGroupTiles until each thread has this many (FusedAttention::plans), so
+  /// that the threads share a call of few query tiles (one group of 8 would take one thread).
+  static constexpr Index kPrefillGroupsPerThread = 4;
   static constexpr Index kDecodeRows = 16;          ///< a sequence with Sq·G ≤ this reads K in place (no packing)
   static constexpr Index kDecodeKeys = 1024;        ///< keys per decoding block: all of its K, then all of its V
   /// Keys ahead that the decoding kernels prefetch (whole rows; 16 rows of D = 128 floats are 8 KiB ahead of the
