@@ -296,12 +296,28 @@ TEST(Fused, PrefillRerunInBaseEAfterALateOverflow) {
   check_case(c, 31);
 }
 
+/// Pins the calling thread's OpenMP team to one thread while it lives, then restores the count. Prefill groups shrink
+/// on a team until each thread has kPrefillGroupsPerThread of them: the group tests' shapes, a few query tiles, keep
+/// their groups on one thread only.
+struct OneThread {
+#if defined(_OPENMP)
+  const int before = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(before); }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+#else
+  OneThread() {}  // nothing to pin without OpenMP
+#endif
+};
+
 // A (sequence, kv head) whose packed K and V exceed kPrefillGroupBytes (more than 4096 keys at D = Dv = 128 on every
 // tag) runs its query tiles in groups of kPrefillGroupTiles, key chunk by key chunk (2048 keys), each tile keeping its
 // softmax state from one chunk to the next (fused_attention.hpp, run_prefill_group). Every option of the grid against
 // the float64 reference under its rule: tiles whose keys end inside a chunk (causal, windows, key_lengths), groups of
 // fewer tiles than kPrefillGroupTiles, a varlen batch with an ungrouped sequence beside a grouped one.
 TEST(Fused, PrefillGroupsTakeTheirKeysChunkByChunk) {
+  const OneThread one_thread;  // these shapes' few query tiles would go alone on a team (kPrefillGroupsPerThread)
   static_assert(Tiles16::kPrefillChunkBytes / (256 * sizeof(float)) == 2048, "chunks of 2048 keys at D = Dv = 128");
   static_assert(Tiles16::kPrefillGroupBytes / (256 * sizeof(float)) == 4096, "groups past 4096 keys at D = Dv = 128");
   std::mt19937 rng(5150);
@@ -343,11 +359,13 @@ TEST(Fused, PrefillGroupsTakeTheirKeysChunkByChunk) {
 }
 
 TEST(Fused, PrefillGroupRerunsOneTileInBaseEAfterAnOverflowInALaterChunk) {
-  // A bias of 3e38 at query 100 (the third of five tiles of 48 stacked rows, GQA 2/1) and key 2300, in the second
-  // of three chunks of 2048 keys: the group's five tiles have taken the first in base 2 when that tile's finished score
-  // overflows; that tile alone runs again in base e from a clean state, the others go on in base 2 with their
-  // state. Causal, bottom-right (row i sees keys up to i + 4200, so key 2300 is visible to every row), against the
-  // float64 reference under the grid's rule; that row is one-hot on the biased key.
+  // A bias of 3e38 at query 100 (the third of five tiles of 48 query rows, 96 stacked, GQA 2/1) and key 2300, in the
+  // second of three chunks of 2048 keys: the group's five tiles have taken the first in base 2 when that tile's
+  // finished score overflows; that tile alone runs again in base e from a clean state, the others go on in base 2 with
+  // their state. Causal, bottom-right (row i sees keys up to i + 4200, so key 2300 is visible to every row), against
+  // the float64 reference under the grid's rule; that row is one-hot on the biased key. On one thread (OneThread): on
+  // two, five tiles would go alone.
+  const OneThread one_thread;
   Case c{{1, 2, 1, 200, 4400, 128, 128}};
   c.options.causal = true;
   c.options.alignment = qkv::CausalAlignment::bottom_right;
@@ -621,8 +639,8 @@ TEST(Fused, VectorTailsAndTileEdges) {
 
 /// Runs two prefill shapes and a decode shape with the given thread count; returns the outputs concatenated. At D =
 /// 128 the prefill's K and V (4.4 MiB per kv head) exceed kPrefillGroupBytes: its 9 query tiles per kv head (18 in
-/// all) go in groups of 8 and 1 on one thread, of 2 on two (kPrefillGroupsPerThread) and alone on three, so that the
-/// comparison also holds groups against tiles alone.
+/// all) go in groups of 8 and 1 on one thread, of 2 (and a 1) on two (kPrefillGroupsPerThread) and alone on three,
+/// so that the comparison also holds groups against tiles alone.
 std::vector<float> run_with_threads(int threads) {
 #if defined(_OPENMP)
   omp_set_num_threads(threads);

@@ -190,16 +190,19 @@ inline namespace QKV_ISA_NAME {
 ///   V not copied where its rows are float, abut and are at most 16 floats wide with AVX2 or 64 with AVX-512, whole
 ///   vectors: that is already the packed layout), kept on the calling thread for its next calls until
 ///   `release_workspace()`, and a few hundred KiB of scratch per thread (bench_attention's alloc_MiB, one thread:
-///   4.8 MiB at B = 1, H = 8, T = 16384, D = 64, where V is read in place, inputs 128 MiB), nothing of size
-///   Sq × Skv; the reference backend allocates O(Sq·Skv) per (sequence, head) in flight.
+///   4.8 MiB at B = 1, H = 8, T = 16384, D = 64, where V is read in place, inputs 128 MiB, measured before the
+///   prefill groups), plus, where a prefill's K and V exceed 4 MiB per kv head, the states of eight query tiles
+///   (about 0.8 MiB at D = Dv = 128), nothing of size Sq × Skv; the reference backend allocates O(Sq·Skv) per
+///   (sequence, head) in flight.
 /// Threads (OpenMP builds): a call large enough to pay for a team (about 2^20 multiply-adds on the fused path)
-///   shares its work over (sequence, kv head, query tile, key chunk) among omp_get_max_threads() threads, the
-///   calling thread's own setting (OMP_NUM_THREADS for all threads, omp_set_num_threads(n) for the thread that
-///   calls it). Called inside an active `#pragma omp parallel` region (omp_in_parallel()), it runs on the calling
-///   thread alone and never opens a nested team, whatever omp_get_max_active_levels() allows. Each std::thread
-///   that calls at the same time opens its own team: N callers use up to N × omp_get_max_threads() threads, so
-///   call omp_set_num_threads(1) in each caller (or set OMP_NUM_THREADS=1) to keep one thread per caller.
-///   Results are bit-identical for any number of threads, inside or outside a parallel region.
+///   shares its work over (sequence, kv head, query tile, key chunk), a long prefill's query tiles in groups, among
+///   omp_get_max_threads() threads, the calling thread's own setting (OMP_NUM_THREADS for all threads,
+///   omp_set_num_threads(n) for the thread that calls it). Called inside an active `#pragma omp parallel` region
+///   (omp_in_parallel()), it runs on the calling thread alone and never opens a nested team, whatever
+///   omp_get_max_active_levels() allows. Each std::thread that calls at the same time opens its own team: N callers use
+///   up to N × omp_get_max_threads() threads, so call omp_set_num_threads(1) in each caller (or set OMP_NUM_THREADS=1)
+///   to keep one thread per caller. Results are bit-identical for any number of threads, inside or outside a parallel
+///   region.
 /// Thread safety: concurrent calls from any threads (std::thread or OpenMP) are safe if their outputs do not
 ///   overlap each other or another call's inputs; inputs and options may be shared.
 /// Example: examples/worked_example.cpp (through the Eigen entry points), tests/test_reference.cpp.

@@ -20,7 +20,8 @@
 //         (token-major K and V: one task serves several kv heads, so it reads whole key rows)
 //     out = acc_o / row_sum and lse (base e); or a partial state, merged in chunk order             split_k.hpp
 //
-// Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D) and acc_o (M × Dv) per task of its largest group,
+// Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D) and acc_o (M × Dv) per task of the call's largest
+// group (FusedTasks::max_group),
 // M = G · rows per tile (G · Sq · n_kv for a decoding task of n_kv kv heads), and acc_s (a strip's kStrip × kBlockN
 // scores, which stay in L1, or a decoding block's M × kDecodeKeys), allocated once per call; packed K and V, the size
 // of K and V (prefill sequences only; on one thread the size of the largest pair's), kept by the calling thread for its

@@ -7,7 +7,8 @@
 //   - Otherwise a call large enough to pay for a team (each region states its threshold) uses omp_get_max_threads()
 //     threads: the calling thread's own nthreads-var, which OMP_NUM_THREADS sets for every thread and
 //     omp_set_num_threads(n) sets for the thread that calls it.
-//   - Results never depend on the number of threads (each kernel fixes its work split by the shape).
+//   - Results never depend on the number of threads: each kernel fixes by the shape what each output row sums, and in
+//     what order (how tasks are grouped for the threads may follow their number; fused_attention.hpp, plans).
 // Without OpenMP every call is single-threaded.
 #pragma once
 
