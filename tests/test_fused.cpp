@@ -359,18 +359,19 @@ TEST(Fused, PrefillGroupsTakeTheirKeysChunkByChunk) {
 }
 
 TEST(Fused, PrefillGroupRerunsOneTileInBaseEAfterAnOverflowInALaterChunk) {
-  // A bias of 3e38 at query 100 (the third of five tiles of 48 query rows, 96 stacked, GQA 2/1) and key 2300, in the
-  // second of three chunks of 2048 keys: the group's five tiles have taken the first in base 2 when that tile's
-  // finished score overflows; that tile alone runs again in base e from a clean state, the others go on in base 2 with
-  // their state. Causal, bottom-right (row i sees keys up to i + 4200, so key 2300 is visible to every row), against
-  // the float64 reference under the grid's rule; that row is one-hot on the biased key. On one thread (OneThread): on
-  // two, five tiles would go alone.
+  // A bias of 3e38 at query 60 of 200 (the second of five tiles of 48 query rows, 96 stacked, GQA 2/1; of three tiles
+  // in the reduced grid's 100 rows) and key 2300, in the second chunk of 2048 keys: the group's tiles have taken the
+  // first in base 2 when that tile's finished score overflows; that tile alone runs again in base e from a clean
+  // state, the others go on in base 2 with their state. Causal, bottom-right (row i sees keys up to i + Skv − Sq, so
+  // key 2300 is visible to every row), against the float64 reference under the grid's rule; that row is one-hot on
+  // the biased key. On one thread (OneThread): on two, these few tiles would go alone. The reduced grid (the
+  // sanitizers' runs, where the full shape took 114 s) takes 4200 keys, still past kPrefillGroupBytes.
   const OneThread one_thread;
-  Case c{{1, 2, 1, 200, 4400, 128, 128}};
+  Case c{{1, 2, 1, reduced_grid() ? 100 : 200, reduced_grid() ? 4200 : 4400, 128, 128}};
   c.options.causal = true;
   c.options.alignment = qkv::CausalAlignment::bottom_right;
   c.bias.assign(static_cast<std::size_t>(c.Hq * c.Sq * c.Skv), 0.0f);
-  c.bias[static_cast<std::size_t>((1 * c.Sq + 100) * c.Skv + 2300)] = 3e38f;
+  c.bias[static_cast<std::size_t>((1 * c.Sq + 60) * c.Skv + 2300)] = 3e38f;
   c.options.bias = qkv::TensorView4<const float>(c.bias.data(), {1, c.Hq, c.Sq, c.Skv});
   check_case(c, 32);
 }
