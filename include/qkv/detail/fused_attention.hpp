@@ -21,14 +21,13 @@
 //     out = acc_o / row_sum and lse (base e); or a partial state, merged in chunk order             split_k.hpp
 //
 // Tile sizes: fused_tiles.hpp. Memory: per thread Q_block (M × D) and acc_o (M × Dv) per task of the call's largest
-// group (FusedTasks::max_group),
-// M = G · rows per tile (G · Sq · n_kv for a decoding task of n_kv kv heads), and acc_s (a strip's kStrip × kBlockN
-// scores, which stay in L1, or a decoding block's M × kDecodeKeys), allocated once per call; packed K and V, the size
-// of K and V (prefill sequences only; on one thread the size of the largest pair's), kept by the calling thread for its
-// next calls (aligned_buffer.hpp, Workspace). Nothing of size Sq × Skv. Traffic per task: K and V of its visible key
-// range once from memory (a prefill group's tasks: once per group, from L3 for the others), then from L2 for every
-// strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each on AVX2, 512 keys = 256 KiB on AVX-512), Q and out once;
-// decoding reads K and V once, in place.
+// group (FusedTasks::max_group), M = G · rows per tile (G · Sq · n_kv for a decoding task of n_kv kv heads), and acc_s
+// (a strip's kStrip × kBlockN scores, which stay in L1, or a decoding block's M × kDecodeKeys), allocated once per
+// call; packed K and V, the size of K and V (prefill sequences only; on one thread the size of the largest pair's),
+// kept by the calling thread for its next calls (aligned_buffer.hpp, Workspace). Nothing of size Sq × Skv. Traffic per
+// task: K and V of its visible key range once from memory (a prefill group's tasks: once per group, from L3 for the
+// others), then from L2 for every strip (kBlockN = 256 keys × D = 128 floats = 128 KiB each on AVX2, 512 keys = 256 KiB
+// on AVX-512), Q and out once; decoding reads K and V once, in place.
 //
 // Exactness rules kept here (docs/design.md): hidden keys are selected away (−∞ before exp), never multiplied by
 // zero; a row with NaN or +∞ among its visible scores is NaN; empty rows give zeros and lse −∞; sinks join the

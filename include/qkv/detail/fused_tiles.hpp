@@ -51,10 +51,10 @@ struct FusedTiles {
   /// (fused_attention.hpp, run_prefill_group), so that a chunk of kPrefillChunkBytes (rounded down to whole key tiles:
   /// 2048 keys at D = Dv = 128) read from memory serves every tile of the group from L3, instead of each tile streaming
   /// the whole of K and V. A group's Q blocks and softmax states (96 KiB each at D = Dv = 128) wait in L2 or L3 between
-  /// chunks. Measured on Zen 5 (D = 128, paired against tiles alone; bench/README.md, "2026-12-07, fortieth session"):
-  /// T = 16384 (16 MiB of K and V per head) took 0.92-0.96 of the time on one thread, 0.915 on two; T = 8192
-  /// 0.97-1.005; grouped at T = 4096 (4 MiB) 1.015, hence the threshold. 16 tiles a group took 0.99 of 8's time
-  /// (noise).
+  /// chunks. Measured on Zen 5, AVX-512 kernel (D = 128, paired against tiles alone; bench/README.md, "2026-12-07,
+  /// fortieth session"): T = 16384 (16 MiB of K and V per head) took 0.92-0.96 of the time on one thread, 0.915 on two;
+  /// T = 8192 0.97-1.005; grouped at T = 4096 (4 MiB) 1.015, hence the threshold. 16 tiles a group took 0.99 of 8's
+  /// time (noise).
   static constexpr Index kPrefillGroupBytes = Index(4) << 20;
   static constexpr Index kPrefillChunkBytes = Index(2) << 20;
   static constexpr Index kPrefillGroupTiles = 8;
