@@ -35,39 +35,49 @@ inline void plain_float(const qkv::TensorView4<const float>& q, const qkv::Tenso
                         PlainFloatOrder order = {}) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const float scale = p.scale ? static_cast<float>(*p.scale) : 1.0f / std::sqrt(static_cast<float>(p.D));
-  const auto nth = [&order](long e, long n) { return order.reverse ? n - 1 - e : e; };
+  // The loops read through pointers and strides rather than the views' operator(): the same terms in the same order,
+  // without an index computation of four products per element, which took most of test_fused's time (at -O0 under
+  // the sanitizers three calls more per element; docs/development.md, CI budget).
+  const long D = p.D, Dv = p.Dv;
+  const long q_d = q.stride(3), k_j = k.stride(2), k_d = k.stride(3), v_j = v.stride(2), v_d = v.stride(3);
   for (const brute::Sequence& s : brute::sequences(p)) {
-    std::vector<float> weight(static_cast<std::size_t>(s.skv));
+    std::vector<float> weights(static_cast<std::size_t>(s.skv));
+    float* const weight = weights.data();
     for (long h = 0; h < p.Hq; ++h) {
       const long h_kv = h / (p.Hq / p.Hkv);
       const float sink = p.sinks.empty() ? kNegInf : static_cast<float>(p.sinks[static_cast<std::size_t>(h)]);
+      // No keys: nothing is read (and a view of no elements may have no data to offset).
+      const float* const k_rows = s.skv == 0 ? nullptr : k.data() + s.b * k.stride(0) + h_kv * k.stride(1) + s.k0 * k_j;
+      const float* const v_rows = s.skv == 0 ? nullptr : v.data() + s.b * v.stride(0) + h_kv * v.stride(1) + s.k0 * v_j;
       for (long i = 0; i < s.sq; ++i) {
         const long row = s.q0 + i;
+        const float* const q_row = q.data() + s.b * q.stride(0) + h * q.stride(1) + row * q.stride(2);
         float m = sink;
         for (long j = 0; j < s.skv; ++j) {
           float score = kNegInf;
           if (brute::visible(p, s, h, i, j)) {
+            const float* const k_row = k_rows + j * k_j;
             float dot = 0;
-            for (long e = 0; e < p.D; ++e) {
-              const long d = nth(e, p.D);
-              dot += (order.scale_first ? q(s.b, h, row, d) * scale : q(s.b, h, row, d)) * k(s.b, h_kv, s.k0 + j, d);
+            for (long e = 0; e < D; ++e) {
+              const long d = order.reverse ? D - 1 - e : e;
+              dot += (order.scale_first ? q_row[d * q_d] * scale : q_row[d * q_d]) * k_row[d * k_d];
             }
             score = brute::finish_score(p, s, h, i, j, order.scale_first ? dot : dot * scale);
           }
-          weight[static_cast<std::size_t>(j)] = score;
+          weight[j] = score;
           m = std::max(m, score);
         }
         float denominator = p.sinks.empty() || m == kNegInf ? 0.0f : std::exp(sink - m);
         for (long e = 0; e < s.skv; ++e) {
-          float& w = weight[static_cast<std::size_t>(nth(e, s.skv))];
+          float& w = weight[order.reverse ? s.skv - 1 - e : e];
           denominator += (w = (w == kNegInf ? 0.0f : std::exp(w - m)));
         }
-        for (long d = 0; d < p.Dv; ++d) {
+        for (long d = 0; d < Dv; ++d) {
           float sum = 0;
           for (long e = 0; e < s.skv; ++e) {
-            const long j = nth(e, s.skv);
-            const float w = weight[static_cast<std::size_t>(j)];
-            if (w != 0.0f) sum += w * v(s.b, h_kv, s.k0 + j, d);
+            const long j = order.reverse ? s.skv - 1 - e : e;
+            const float w = weight[j];
+            if (w != 0.0f) sum += w * v_rows[j * v_j + d * v_d];
           }
           out(s.b, h, row, d) = denominator > 0 ? sum / denominator : 0.0f;
         }
