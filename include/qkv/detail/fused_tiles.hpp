@@ -54,7 +54,8 @@ struct FusedTiles {
   /// chunks. Measured on Zen 5, AVX-512 kernel (D = 128, paired against tiles alone; bench/README.md, "2026-12-07,
   /// fortieth session"): T = 16384 (16 MiB of K and V per head) took 0.92-0.96 of the time on one thread, 0.915 on two;
   /// T = 8192 0.97-1.005; grouped at T = 4096 (4 MiB) 1.015, hence the threshold. 16 tiles a group took 0.99 of 8's
-  /// time (noise).
+  /// time (noise). On Zen 3's AVX2 kernel ("forty-first session"): T = 16384 0.94, T = 8192 0.95, causal T = 16384 0.96
+  /// (the same code on both sides gave 0.98 at T = 4096).
   static constexpr Index kPrefillGroupBytes = Index(4) << 20;
   static constexpr Index kPrefillChunkBytes = Index(2) << 20;
   static constexpr Index kPrefillGroupTiles = 8;
