@@ -35,32 +35,37 @@ inline void plain_float(const qkv::TensorView4<const float>& q, const qkv::Tenso
                         PlainFloatOrder order = {}) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const float scale = p.scale ? static_cast<float>(*p.scale) : 1.0f / std::sqrt(static_cast<float>(p.D));
-  // The loops read through pointers and strides rather than the views' operator(): the same terms in the same order,
-  // without an index computation of four products per element, which took most of test_fused's time (at -O0 under
-  // the sanitizers three calls more per element; docs/development.md, CI budget).
+  // The loops index the data by offsets and strides computed once per head and row rather than through the views'
+  // operator(): the same terms in the same order, without an index of four products per element, which took most of
+  // test_fused's time (at -O0 under the sanitizers, three calls more per element; docs/development.md, CI budget).
   const long D = p.D, Dv = p.Dv;
   const long q_d = q.stride(3), k_j = k.stride(2), k_d = k.stride(3), v_j = v.stride(2), v_d = v.stride(3);
+  const float* const q_data = q.data();
+  const float* const k_data = k.data();
+  const float* const v_data = v.data();
   for (const brute::Sequence& s : brute::sequences(p)) {
     std::vector<float> weights(static_cast<std::size_t>(s.skv));
     float* const weight = weights.data();
     for (long h = 0; h < p.Hq; ++h) {
       const long h_kv = h / (p.Hq / p.Hkv);
       const float sink = p.sinks.empty() ? kNegInf : static_cast<float>(p.sinks[static_cast<std::size_t>(h)]);
-      // No keys: nothing is read (and a view of no elements may have no data to offset).
-      const float* const k_rows = s.skv == 0 ? nullptr : k.data() + s.b * k.stride(0) + h_kv * k.stride(1) + s.k0 * k_j;
-      const float* const v_rows = s.skv == 0 ? nullptr : v.data() + s.b * v.stride(0) + h_kv * v.stride(1) + s.k0 * v_j;
+      // Offsets in elements (of the sequence's first key row of this head); a pointer is formed only for an element
+      // read, as operator() forms it.
+      const long k_head = s.b * k.stride(0) + h_kv * k.stride(1) + s.k0 * k_j;
+      const long v_head = s.b * v.stride(0) + h_kv * v.stride(1) + s.k0 * v_j;
       for (long i = 0; i < s.sq; ++i) {
         const long row = s.q0 + i;
-        const float* const q_row = q.data() + s.b * q.stride(0) + h * q.stride(1) + row * q.stride(2);
+        const long q_row = s.b * q.stride(0) + h * q.stride(1) + row * q.stride(2);
         float m = sink;
         for (long j = 0; j < s.skv; ++j) {
           float score = kNegInf;
           if (brute::visible(p, s, h, i, j)) {
-            const float* const k_row = k_rows + j * k_j;
+            const long k_row = k_head + j * k_j;
             float dot = 0;
             for (long e = 0; e < D; ++e) {
               const long d = order.reverse ? D - 1 - e : e;
-              dot += (order.scale_first ? q_row[d * q_d] * scale : q_row[d * q_d]) * k_row[d * k_d];
+              const float qd = q_data[q_row + d * q_d];
+              dot += (order.scale_first ? qd * scale : qd) * k_data[k_row + d * k_d];
             }
             score = brute::finish_score(p, s, h, i, j, order.scale_first ? dot : dot * scale);
           }
@@ -77,7 +82,7 @@ inline void plain_float(const qkv::TensorView4<const float>& q, const qkv::Tenso
           for (long e = 0; e < s.skv; ++e) {
             const long j = order.reverse ? s.skv - 1 - e : e;
             const float w = weight[j];
-            if (w != 0.0f) sum += w * v_rows[j * v_j + d * v_d];
+            if (w != 0.0f) sum += w * v_data[v_head + j * v_j + d * v_d];
           }
           out(s.b, h, row, d) = denominator > 0 ? sum / denominator : 0.0f;
         }
