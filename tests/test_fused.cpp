@@ -365,7 +365,8 @@ TEST(Fused, PrefillGroupRerunsOneTileInBaseEAfterAnOverflowInALaterChunk) {
   // state, the others go on in base 2 with their state. Causal, bottom-right (row i sees keys up to i + Skv − Sq, so
   // key 2300 is visible to every row), against the float64 reference under the grid's rule; that row is one-hot on
   // the biased key. On one thread (OneThread): on two, these few tiles would go alone. The reduced grid (the
-  // sanitizers' runs, where the full shape took 114 s) takes 4200 keys, still past kPrefillGroupBytes.
+  // sanitizers' runs: the full shape took 114 s there on a Zen 5, most of it in plain_float before it indexed its data
+  // directly) takes 4200 keys, still past kPrefillGroupBytes.
   const OneThread one_thread;
   Case c{{1, 2, 1, reduced_grid() ? 100 : 200, reduced_grid() ? 4200 : 4400, 128, 128}};
   c.options.causal = true;
