@@ -378,8 +378,10 @@ inline void qk_steps(const float* q, Index ldq, const S* k, Index ldk, Index key
 /// hands each step of NK keys its run of lines (PrefetchCursor::next_run), prefetched once the step's sums are stored:
 /// a loop or branch of prefetches inside the unrolled columns, or before the reduction, left the accumulators live
 /// across it, and clang++ 14 spilled 38–45 vectors in the 4-row AVX-512 Q·Kᵀ (from L3 1.13–1.24 × the time). At
-/// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`. Without `ahead`, each step
-/// prefetches the rows kDecodePrefetchKeys ahead in one burst before its loads, or, where kSpreadAhead holds, the rows
+/// D = 64 and 128 the loop over d is unrolled (with_head_dim), with or without `ahead`. Each step prefetches the rows
+/// kDecodePrefetchKeys ahead, where they lie within the call's keys, in one burst before its loads, with `ahead` too
+/// (without it there, paced head-major decode from DRAM took 1.05–1.09 of the time with clang++ on Zen 5:
+/// bench/README.md, "The paced Q·Kᵀ step's burst"), or, where kSpreadAhead holds (never with `ahead`), the rows
 /// kSpreadKeys ahead one line per column between the FMAs (straight-line prefetches at fixed offsets: no loop or
 /// branch, so no spills). Every prefetch goes to the level kLocality names (simd::prefetch: 3 L1, 2 L2).
 template <class Tag, int R, int kLocality = 3, class S>
