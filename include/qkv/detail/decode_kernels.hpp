@@ -507,10 +507,11 @@ QKV_NOINLINE inline void pv_paced(const float* p, Index ldp, const S* v, Index l
 /// its run of lines, prefetched spread over the vector columns between the FMAs (out of line, pv_paced), and where
 /// kSpreadAheadPaced holds each step also prefetches the rows kDecodeSpreadKeys ahead in reading order, inside the
 /// call's keys or past them in `next` (spread_rows); at Dv = 64 and 128 the loop over the columns is unrolled
-/// (with_head_dim), with or without `ahead`. Without `ahead`, it prefetches as qk_in_place does (a burst
-/// kDecodePrefetchKeys ahead, or kSpreadKeys ahead one line per column where kSpreadAhead holds, then also into
-/// `next` past the call's keys). `next` is read only where kSpreadAhead or kSpreadAheadPaced holds. Every prefetch goes
-/// to the level kLocality names, as in qk_in_place, but for a paced step's rows ahead: L1 (kSpreadLocality).
+/// (with_head_dim), with or without `ahead`. It prefetches as qk_in_place does (a burst kDecodePrefetchKeys ahead
+/// within the call's keys, with `ahead` too, or, without `ahead`, kSpreadKeys ahead one line per column where
+/// kSpreadAhead holds, then also into `next` past the call's keys). `next` is read only where kSpreadAhead or
+/// kSpreadAheadPaced holds. Every prefetch goes to the level kLocality names, as in qk_in_place, but for a paced step's
+/// rows ahead: L1 (kSpreadLocality).
 template <class Tag, int R, class S, int NV = static_cast<int>(kPvKeysPerStep<Tag>), int kLocality = 3>
 inline void pv_in_place(const float* p, Index ldp, const S* v, Index ldv, Index keys, float* o, Index ldo, Index Dv,
                         PrefetchCursor<S>* ahead = nullptr, const NextRows<S>& next = NextRows<S>()) noexcept {
