@@ -18,9 +18,10 @@
 //                                  minutes, the ratio of two interleaved versions is repeatable where two separate
 //                                  benchmark runs are not. Prints, per version, the best and the median GFLOPS (4·D
 //                                  per visible (query, key) pair per head, as bench_attention counts) and their ratio
-//                                  to the best FMA loop of the run, and the median of its rounds' ratios to the FMA
-//                                  loop timed in the same round ("per round", the way the decode mode takes its
-//                                  shares: one fast round of the loop does not move it); how many rounds B was faster;
+//                                  to the run's best round of the FMA loop, and the median over rounds of the
+//                                  version's GFLOPS over that round's FMA loop ("per round", as the decode mode takes
+//                                  its per-round shares: a single fast round of the loop moves it by at most one rank;
+//                                  with an even number of rounds, the upper middle one); how many rounds B was faster;
 //                                  how many outputs differ in their bits (a NaN on one side counts) and the largest
 //                                  finite difference.
 //   ab_fused --bits [--perturb] [NAME...]
@@ -300,15 +301,18 @@ int speed_mode(long D, long T, int rounds, bool causal) {
   const BitDiff diff = compare_bits(out_a, out_b);
 
   const double best_peak = *std::max_element(peak.begin(), peak.end());
-  // Per version: its best and median against the run's best FMA loop, and (not for the loop itself) the median of its
-  // per-round shares of the FMA loop timed just before it in the same round, which follows the machine's drift.
+  // Per version: its best and median against the run's best round of the FMA loop, and (not for the loop itself) the
+  // median of its shares of the FMA loop timed at the start of the same round (before both calls), so that the share
+  // follows the machine's drift.
   const auto report = [&](const char* name, const std::vector<double>& x, bool per_round) {
-    std::vector<double> share;
-    for (std::size_t r = 0; r < x.size(); ++r) share.push_back(x[r] / peak[r]);
     const double best = *std::max_element(x.begin(), x.end()), median = median_of(x);
     std::printf("D=%ld T=%ld causal=%d %-9s best %6.1f GFLOPS (%.3f of the FMA loop)  median %6.1f (%.3f)", D, T,
                 int(causal), name, best, best / best_peak, median, median / best_peak);
-    if (per_round) std::printf("  per round %.3f", median_of(share));
+    if (per_round) {
+      std::vector<double> share;
+      for (std::size_t r = 0; r < x.size(); ++r) share.push_back(x[r] / peak[r]);
+      std::printf("  per round %.3f", median_of(share));
+    }
     std::printf("\n");
   };
   report("FMA loop", peak, false);
