@@ -1199,8 +1199,9 @@ TEST(Fused, SoftmaxUpdateRowsIsUpdateRowByRow) {
 // PrefetchCursor (decode_kernels.hpp), which paces a grouped decoding task's prefetches: over its steps
 // (next_run) and the flush it hands out the first address of every 64-byte line of each row's span exactly once, in
 // memory order, and nothing outside the spans (addresses only; nothing is read). A step's run is min(share, lines
-// left) lines where the rows abut, and never crosses the end of a row's span where they do not. Expected addresses
-// are enumerated here line by line, row by row.
+// left) lines where the rows abut, and never crosses the end of a row's span where they do not; issued column by
+// column (Run::issue_column, 1, 2 or 4 lines a column where they divide the run) it names the same lines in the same
+// order. Expected addresses are enumerated here line by line, row by row.
 template <class S>
 void check_prefetch_cursor(Index ld, Index rows, Index span, Index steps, Index calls) {
   using Cursor = qkv_test::emulated_pass::PrefetchCursor<S>;
@@ -1229,7 +1230,22 @@ void check_prefetch_cursor(Index ld, Index rows, Index span, Index steps, Index 
       EXPECT_LE(run.lines, share) << where << ", step " << c;
       EXPECT_TRUE(run.lines > 0 || left == 0) << where << ", step " << c << ": no progress";
     }
-    for (Index t = 0; t < run.lines; ++t) seen.push_back(run.first + t * kPerLine);
+    std::vector<const S*> run_lines;
+    for (Index t = 0; t < run.lines; ++t) run_lines.push_back(run.first + t * kPerLine);
+    // A run issued straight-line, kPerColumn lines a column (pv_step where kStraightRuns holds): the same lines.
+    const auto by_columns = [&](auto per_column) {
+      constexpr Index kPerColumn = decltype(per_column)::value;
+      if (run.lines % kPerColumn != 0) return;
+      std::vector<const S*> lines;
+      for (Index column = 0; column < run.lines / kPerColumn; ++column) {
+        run.template issue_column<kPerColumn>(column, [&](const S* p) { lines.push_back(p); });
+      }
+      EXPECT_EQ(lines, run_lines) << where << ", step " << c << ", " << kPerColumn << " lines a column";
+    };
+    by_columns(std::integral_constant<Index, 1>());
+    by_columns(std::integral_constant<Index, 2>());
+    by_columns(std::integral_constant<Index, 4>());
+    seen.insert(seen.end(), run_lines.begin(), run_lines.end());
   }
   const auto record = [&](const S* p) { seen.push_back(p); };
   cursor.flush(record);
@@ -1378,7 +1394,9 @@ TEST(Fused, EightRowDecodingCallsGiveTheBitsOfTwoCallsOfFour) {
 // 16-lane tag, the sub-block calls (P·V with four keys per step, kPvKeysPerStep, as the paced head-major task takes,
 // and with two, kPvGroupedKeysPerStep, as a grouped task takes in that copy) against the one call, byte for byte, for 1
 // to 4 rows, at key counts around the steps and a block, head_dims with tails (72, 81) and the unrolled 64 and 128,
-// rows `ld` apart. The cursors name the rows after each sub-block, as the task's do.
+// rows `ld` apart: padded, or abutting (ld = D), where a cursor's runs are as long as a step's own rows and clang++
+// builds issue them straight-line (kStraightRuns). The cursors name the rows after each sub-block, over as many steps
+// as the calls take, as the task's do.
 TEST(Fused, PacedSubBlockDecodingCallsGiveTheBitsOfOneBlockCall) {
   namespace pass = qkv_test::emulated_pass;
   using Tag = qkv_test::Emulated16Tag;
@@ -1397,42 +1415,43 @@ TEST(Fused, PacedSubBlockDecodingCallsGiveTheBitsOfOneBlockCall) {
   for (const Index D : head_dims) {
     for (const Index keys : key_counts) {
       for (const Index sub : {Index(4), Index(32)}) {
-        const Index ld = D + 5;
-        std::vector<float> q(static_cast<std::size_t>(4 * D)), p(static_cast<std::size_t>(4 * keys)),
-            o_init(static_cast<std::size_t>(4 * D));
-        std::vector<float> k(static_cast<std::size_t>(keys * ld)), v(k.size());
-        for (auto* x : {&q, &p, &o_init, &k, &v})
-          for (auto& e : *x) e = normal(rng);
-        const auto check_rows = [&](auto rows_constant) {
-          constexpr int R = decltype(rows_constant)::value;
-          std::vector<float> s_one(static_cast<std::size_t>(R * keys), -1.0f), s_sub(s_one), o_one(o_init),
-              o_sub(o_init), o_sub2(o_init);
-          pass::qk_in_place<Tag, R>(q.data(), D, k.data(), ld, keys, D, s_one.data(), keys);
-          pass::pv_in_place<Tag, R, float>(p.data(), keys, v.data(), ld, keys, o_one.data(), D, D);
-          for (Index jb = 0; jb < keys; jb += sub) {
-            const Index n = std::min(sub, keys - jb), after = std::min(sub, keys - jb - n);
-            pass::PrefetchCursor<float> k_ahead(k.data() + (jb + n) * ld, ld, after, D, (n + 3) / 4);
-            pass::qk_in_place<Tag, R>(q.data(), D, k.data() + jb * ld, ld, n, D, s_sub.data() + jb, keys, &k_ahead);
-            pass::PrefetchCursor<float> v_ahead(v.data() + (jb + n) * ld, ld, after, D, (n + 1) / 2);
-            const pass::NextRows<float> next{after > 0 ? v.data() + (jb + n) * ld : nullptr, after};
-            pass::pv_in_place<Tag, R, float, static_cast<int>(pass::kPvKeysPerStep<Tag>)>(
-                p.data() + jb, keys, v.data() + jb * ld, ld, n, o_sub.data(), D, D, &v_ahead, next);
-            pass::PrefetchCursor<float> v_ahead2(v.data() + (jb + n) * ld, ld, after, D, (n + 1) / 2);
-            pass::pv_in_place<Tag, R, float, kGroupedStep>(p.data() + jb, keys, v.data() + jb * ld, ld, n,
-                                                           o_sub2.data(), D, D, &v_ahead2, next);
-          }
-          EXPECT_EQ(std::memcmp(s_one.data(), s_sub.data(), s_one.size() * sizeof(float)), 0)
-              << "Q·Kᵀ, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
-          EXPECT_EQ(std::memcmp(o_one.data(), o_sub.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
-              << "P·V, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
-          EXPECT_EQ(std::memcmp(o_one.data(), o_sub2.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
-              << "P·V by pairs, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
-        };
-        check_rows(std::integral_constant<int, 1>());
-        check_rows(std::integral_constant<int, 2>());
-        check_rows(std::integral_constant<int, 3>());
-        check_rows(std::integral_constant<int, 4>());
-        if (::testing::Test::HasFailure()) return;
+        for (const Index ld : {D + 5, D}) {
+          std::vector<float> q(static_cast<std::size_t>(4 * D)), p(static_cast<std::size_t>(4 * keys)),
+              o_init(static_cast<std::size_t>(4 * D));
+          std::vector<float> k(static_cast<std::size_t>(keys * ld)), v(k.size());
+          for (auto* x : {&q, &p, &o_init, &k, &v})
+            for (auto& e : *x) e = normal(rng);
+          const auto check_rows = [&](auto rows_constant) {
+            constexpr int R = decltype(rows_constant)::value;
+            std::vector<float> s_one(static_cast<std::size_t>(R * keys), -1.0f), s_sub(s_one), o_one(o_init),
+                o_sub(o_init), o_sub2(o_init);
+            pass::qk_in_place<Tag, R>(q.data(), D, k.data(), ld, keys, D, s_one.data(), keys);
+            pass::pv_in_place<Tag, R, float>(p.data(), keys, v.data(), ld, keys, o_one.data(), D, D);
+            for (Index jb = 0; jb < keys; jb += sub) {
+              const Index n = std::min(sub, keys - jb), after = std::min(sub, keys - jb - n);
+              pass::PrefetchCursor<float> k_ahead(k.data() + (jb + n) * ld, ld, after, D, (n + 3) / 4);
+              pass::qk_in_place<Tag, R>(q.data(), D, k.data() + jb * ld, ld, n, D, s_sub.data() + jb, keys, &k_ahead);
+              pass::PrefetchCursor<float> v_ahead(v.data() + (jb + n) * ld, ld, after, D, (n + 3) / 4);
+              const pass::NextRows<float> next{after > 0 ? v.data() + (jb + n) * ld : nullptr, after};
+              pass::pv_in_place<Tag, R, float, static_cast<int>(pass::kPvKeysPerStep<Tag>)>(
+                  p.data() + jb, keys, v.data() + jb * ld, ld, n, o_sub.data(), D, D, &v_ahead, next);
+              pass::PrefetchCursor<float> v_ahead2(v.data() + (jb + n) * ld, ld, after, D, (n + 1) / 2);
+              pass::pv_in_place<Tag, R, float, kGroupedStep>(p.data() + jb, keys, v.data() + jb * ld, ld, n,
+                                                             o_sub2.data(), D, D, &v_ahead2, next);
+            }
+            EXPECT_EQ(std::memcmp(s_one.data(), s_sub.data(), s_one.size() * sizeof(float)), 0)
+                << "Q·Kᵀ, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+            EXPECT_EQ(std::memcmp(o_one.data(), o_sub.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
+                << "P·V, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+            EXPECT_EQ(std::memcmp(o_one.data(), o_sub2.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
+                << "P·V by pairs, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+          };
+          check_rows(std::integral_constant<int, 1>());
+          check_rows(std::integral_constant<int, 2>());
+          check_rows(std::integral_constant<int, 3>());
+          check_rows(std::integral_constant<int, 4>());
+          if (::testing::Test::HasFailure()) return;
+        }
       }
     }
   }

@@ -97,6 +97,17 @@ class PrefetchCursor {
       }
     }
     Index per_column(Index columns) const noexcept { return columns > 0 ? (lines + columns - 1) / columns : lines; }
+    /// Prefetches the kPerColumn lines of vector column `column`, lines column·kPerColumn on, straight-line: a loop
+    /// of lines / kPerColumn columns issues the whole run without issue_next's count (kStraightRuns); `issued` is
+    /// left as it is. The overload hands each line's first address to `line(const S*)` instead (the tests).
+    template <Index kPerColumn, int kLocality = 3>
+    QKV_ALWAYS_INLINE void issue_column(Index column) const noexcept {
+      issue_column<kPerColumn>(column, [](const S* p) QKV_ALWAYS_INLINE { simd::prefetch<kLocality>(p); });
+    }
+    template <Index kPerColumn, class Line>
+    QKV_ALWAYS_INLINE void issue_column(Index column, Line&& line) const noexcept {
+      QKV_UNROLL for (Index i = 0; i < kPerColumn; ++i) line(first + (column * kPerColumn + i) * kElementsPerLine);
+    }
     /// Prefetches the lines not issued yet: what a loop of fewer columns than lines left, or the whole run.
     template <int kLocality = 3>
     void issue_rest() noexcept {
@@ -196,6 +207,22 @@ inline constexpr bool kSpreadAheadPaced = kSpreadAhead<Tag, S, false, kDim>;
 /// copy, 1.040 from DRAM (bench/README.md, "2026-12-05, twenty-ninth session").
 template <bool kPaced, int kLocality>
 inline constexpr int kSpreadLocality = kPaced ? 3 : kLocality;
+
+/// Whether a paced P·V step (pv_step with a PrefetchCursor's run) whose run holds exactly as many lines as its own NV
+/// rows of Dv elements issues them straight-line, the same number at each vector column at fixed offsets from the run's
+/// first line, instead of Run::issue_next's loop with its count: with clang++ (kSpreadAheadCompiler) on a 16-lane tag,
+/// in the copy whose prefetches go into L1, where the head_dim is compiled in (kDim > 0) and a column's share is whole
+/// lines (float and 16-bit V alike; pv_keys checks each run's length). The same lines at the same columns; what goes
+/// is the loop's bookkeeping, which is what the paced form's steps cost from the cache ("2026-12-07, thirty-ninth
+/// session"). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, one thread, clang++, paired against the loop; the
+/// same bits): BHSD float from L3 (Skv = 2048) 0.90–0.93 of the time, from DRAM (Skv = 32768) 0.97–1.04 (0.997, the
+/// median of eight runs); BSHD float from L3 0.93–0.94, from DRAM 1.00–1.02; BSHD f16 from DRAM 0.956 and 0.958. g++
+/// 12 took BHSD float from DRAM 1.01–1.07 and keeps the loop. So do the Q·Kᵀ steps: their run issued straight-line
+/// after the sums took 1.02–1.05 of the time from DRAM and gained nothing from L3, and spread over the columns,
+/// 0.98–1.13 from DRAM (bench/README.md, "2026-12-08, forty-fourth session").
+template <class Tag, class S, int kLocality, Index kDim, int NV>
+inline constexpr bool kStraightRuns = kLocality == 3 && kDim > 0 && Tag::kLanes >= 16 && kSpreadAheadCompiler &&
+                                      (NV * static_cast<Index>(sizeof(S)) * Tag::kLanes) % 64 == 0;
 
 /// The rows a decoding call's reading goes on with (the next kv head's in the sub-block, the next sub-block's, or the
 /// next block's first K rows), `keys` of them: where a step spreads its prefetches ahead (kSpreadAhead,
@@ -408,8 +435,9 @@ inline void qk_in_place(const float* q, Index ldq, const S* k, Index ldk, Index 
 /// `ahead_rows`: the first of NV rows (`ldv` apart, at least Dv wide, rows the task reads: spread_rows) whose lines
 /// the step prefetches one per vector column where kSpreadAhead (unpaced) or kSpreadAheadPaced (paced) holds; not read
 /// otherwise (then it may be null). The run's lines go to the level kLocality names; a paced step's rows ahead go into
-/// L1 in either copy (kSpreadLocality).
-template <class Tag, int R, int NV, bool kPaced, Index kDim, int kLocality, class S>
+/// L1 in either copy (kSpreadLocality). kStraight (pv_keys, where kStraightRuns holds and the run is as long as the
+/// step's rows): the run's lines issued straight-line, NV·L / kElementsPerLine at each column, not by issue_next.
+template <class Tag, int R, int NV, bool kPaced, Index kDim, int kLocality, bool kStraight = false, class S>
 inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, Index ldo, Index dv_runtime,
                     typename PrefetchCursor<S>::Run& run, const S* ahead_rows) noexcept {
   using namespace simd;
@@ -421,9 +449,13 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   QKV_UNROLL for (int n = 0; n < NV; ++n) {
     QKV_UNROLL for (int r = 0; r < R; ++r) w[n][r] = set1(Tag(), p[r * ldp + n]);
   }
-  const Index per_column = kPaced ? run.per_column(full / L) : 0;
+  const Index per_column = kPaced && !kStraight ? run.per_column(full / L) : 0;
   for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
-    if constexpr (kPaced) run.template issue_next<kLocality>(per_column);
+    if constexpr (kStraight) {
+      run.template issue_column<NV * L / PrefetchCursor<S>::kElementsPerLine, kLocality>(c / L);
+    } else if constexpr (kPaced) {
+      run.template issue_next<kLocality>(per_column);
+    }
     if constexpr (kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpreadAhead<Tag, S, false, kDim>) {
       QKV_UNROLL for (int n = 0; n < NV; ++n) prefetch<kSpreadLocality<kPaced, kLocality>>(ahead_rows + n * ldv + c);
     }
@@ -438,7 +470,7 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
       store(Tag(), o + r * ldo + c, acc);
     }
   });
-  if constexpr (kPaced) run.template issue_rest<kLocality>();
+  if constexpr (kPaced && !kStraight) run.template issue_rest<kLocality>();
   if (tail > 0) {
     Vec x[NV];
     QKV_UNROLL for (int n = 0; n < NV; ++n) x[n] = load_kv_partial(Tag(), v + n * ldv + full, tail);
@@ -471,6 +503,12 @@ inline void pv_keys(const float* p, Index ldp, const S* v, Index ldv, Index keys
     constexpr bool kSpreadAny = kPaced ? kSpreadAheadPaced<Tag, S, kDim> : kSpread;
     const S* ahead_rows =
         kSpreadAny ? spread_rows(v, ldv, j, keys, NV, next, kSpreadKeys<Tag, kPaced, kLocality>) : nullptr;
+    if constexpr (kPaced && kStraightRuns<Tag, S, kLocality, kDim, NV>) {
+      if (run.lines == NV * kDim / PrefetchCursor<S>::kElementsPerLine) {
+        pv_step<Tag, R, NV, true, kDim, kLocality, true>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
+        continue;
+      }
+    }
     pv_step<Tag, R, NV, kPaced, kDim, kLocality>(p + j, ldp, v + j * ldv, ldv, o, ldo, Dv, run, ahead_rows);
   }
   // The last keys' steps prefetch nothing new: their rows ahead are their own.
