@@ -1394,9 +1394,9 @@ TEST(Fused, EightRowDecodingCallsGiveTheBitsOfTwoCallsOfFour) {
 // 16-lane tag, the sub-block calls (P·V with four keys per step, kPvKeysPerStep, as the paced head-major task takes,
 // and with two, kPvGroupedKeysPerStep, as a grouped task takes in that copy) against the one call, byte for byte, for 1
 // to 4 rows, at key counts around the steps and a block, head_dims with tails (72, 81) and the unrolled 64 and 128,
-// rows `ld` apart: padded, or abutting (ld = D), where a cursor's runs are as long as a step's own rows and clang++
-// builds issue them straight-line (kStraightRuns). The cursors name the rows after each sub-block, over as many steps
-// as the calls take, as the task's do.
+// rows `ld` apart: padded, or abutting (ld = D), where at D = 64 and 128 a cursor's runs over a whole next sub-block
+// are as long as a step's own rows and clang++ builds issue them straight-line (kStraightRuns). The cursors name the
+// rows after each sub-block, over as many steps as the calls take, as the task's do.
 TEST(Fused, PacedSubBlockDecodingCallsGiveTheBitsOfOneBlockCall) {
   namespace pass = qkv_test::emulated_pass;
   using Tag = qkv_test::Emulated16Tag;
@@ -1440,11 +1440,12 @@ TEST(Fused, PacedSubBlockDecodingCallsGiveTheBitsOfOneBlockCall) {
                                                              o_sub2.data(), D, D, &v_ahead2, next);
             }
             EXPECT_EQ(std::memcmp(s_one.data(), s_sub.data(), s_one.size() * sizeof(float)), 0)
-                << "Q·Kᵀ, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+                << "Q·Kᵀ, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub << ", ld " << ld;
             EXPECT_EQ(std::memcmp(o_one.data(), o_sub.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
-                << "P·V, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+                << "P·V, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub << ", ld " << ld;
             EXPECT_EQ(std::memcmp(o_one.data(), o_sub2.data(), static_cast<std::size_t>(R * D) * sizeof(float)), 0)
-                << "P·V by pairs, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub;
+                << "P·V by pairs, rows " << R << ", D " << D << ", keys " << keys << ", sub-blocks of " << sub
+                << ", ld " << ld;
           };
           check_rows(std::integral_constant<int, 1>());
           check_rows(std::integral_constant<int, 2>());

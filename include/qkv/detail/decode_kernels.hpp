@@ -40,15 +40,16 @@ namespace QKV_PASS_NAME {  // this pass's ISA: kernel_scalar, kernel_avx2 or ker
 /// keys, `flush` for what the steps left): a grouped decoding task (fused_attention.hpp) paces the next sub-block's
 /// prefetches over the current one's arithmetic (at Hkv = 8, D = 128 and G = 4 on AVX2: 16 lines of float or 8 of
 /// 16-bit storage per step; more on AVX-512, whose steps take more keys): a P·V step spreads its lines over the vector
-/// columns of its loop, between the FMAs; a Q·Kᵀ step issues them after its sums (qk_in_place). Issued in
-/// one burst before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a
-/// tight loop before the step's arithmetic, clang++'s float decode took 1.35 × as long with the loop over D at run
-/// time (bench/README.md, "Paced prefetch in token-major decode" and "Prefetches between the FMAs"); after the
-/// arithmetic of an unrolled step, the share costs nothing measurable ("2026-12-05, twenty-third session"); where
-/// kSpreadAheadPaced holds, a P·V step also prefetches its rows a few keys ahead in reading order. Its loops
-/// of prefetches are not unrolled (QKV_NO_UNROLL): clang++'s eightfold unrolling of them, for runs of one to a few
-/// lines, cost token-major decode 2–9 % (bench/README.md, "clang++ no longer unrolls the prefetch loops"). Addresses
-/// are formed only for lines inside the rows. Complexity: O(1) per line; throws nothing.
+/// columns of its loop, between the FMAs; a Q·Kᵀ step issues them after its sums (qk_in_place). Issued in one burst
+/// before the arithmetic, they filled the miss queue and stalled it; issued a step's share at a time in a tight loop
+/// before the step's arithmetic, clang++'s float decode took 1.35 × as long with the loop over D at run time
+/// (bench/README.md, "Paced prefetch in token-major decode" and "Prefetches between the FMAs"); after the arithmetic of
+/// an unrolled step, the share costs nothing measurable ("2026-12-05, twenty-third session"); where kSpreadAheadPaced
+/// holds, a P·V step also prefetches its rows a few keys ahead in reading order. Its loops of prefetches are not
+/// unrolled (QKV_NO_UNROLL): clang++'s eightfold unrolling of them, for runs of one to a few lines, cost token-major
+/// decode 2–9 % (bench/README.md, "clang++ no longer unrolls the prefetch loops"); Run::issue_column's loop, of a
+/// compile-time count, is unrolled: it issues a run column by column without a count (kStraightRuns). Addresses are
+/// formed only for lines inside the rows. Complexity: O(1) per line; throws nothing.
 template <class S>
 class PrefetchCursor {
  public:
@@ -99,13 +100,17 @@ class PrefetchCursor {
     Index per_column(Index columns) const noexcept { return columns > 0 ? (lines + columns - 1) / columns : lines; }
     /// Prefetches the kPerColumn lines of vector column `column`, lines column·kPerColumn on, straight-line: a loop
     /// of lines / kPerColumn columns issues the whole run without issue_next's count (kStraightRuns); `issued` is
-    /// left as it is. The overload hands each line's first address to `line(const S*)` instead (the tests).
+    /// left as it is. Requires (column + 1)·kPerColumn ≤ lines (checked where QKV_ASSERT is on), so that no address
+    /// outside the run is formed. The overload hands each line's first address to `line(const S*)`, which must not
+    /// throw, instead of prefetching it (the tests).
     template <Index kPerColumn, int kLocality = 3>
     QKV_ALWAYS_INLINE void issue_column(Index column) const noexcept {
       issue_column<kPerColumn>(column, [](const S* p) QKV_ALWAYS_INLINE { simd::prefetch<kLocality>(p); });
     }
     template <Index kPerColumn, class Line>
     QKV_ALWAYS_INLINE void issue_column(Index column, Line&& line) const noexcept {
+      static_assert(kPerColumn >= 1, "qkv: issue_column issues at least one line a column");
+      QKV_ASSERT(column >= 0 && (column + 1) * kPerColumn <= lines);
       QKV_UNROLL for (Index i = 0; i < kPerColumn; ++i) line(first + (column * kPerColumn + i) * kElementsPerLine);
     }
     /// Prefetches the lines not issued yet: what a loop of fewer columns than lines left, or the whole run.
@@ -214,12 +219,13 @@ inline constexpr int kSpreadLocality = kPaced ? 3 : kLocality;
 /// in the copy whose prefetches go into L1, where the head_dim is compiled in (kDim > 0) and a column's share is whole
 /// lines (float and 16-bit V alike; pv_keys checks each run's length). The same lines at the same columns; what goes
 /// is the loop's bookkeeping, which is what the paced form's steps cost from the cache ("2026-12-07, thirty-ninth
-/// session"). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, one thread, clang++, paired against the loop; the
-/// same bits): BHSD float from L3 (Skv = 2048) 0.90–0.93 of the time, from DRAM (Skv = 32768) 0.97–1.04 (0.997, the
-/// median of eight runs); BSHD float from L3 0.93–0.94, from DRAM 1.00–1.02; BSHD f16 from DRAM 0.956 and 0.958. g++
-/// 12 took BHSD float from DRAM 1.01–1.07 and keeps the loop. So do the Q·Kᵀ steps: their run issued straight-line
-/// after the sums took 1.02–1.05 of the time from DRAM and gained nothing from L3, and spread over the columns,
-/// 0.98–1.13 from DRAM (bench/README.md, "2026-12-08, forty-fourth session").
+/// session"). Measured on Zen 5 (Sq = 1, Hq = 32, Hkv = 8, D = 128, G = 4, one and two threads, clang++, paired
+/// against the loop; the same bits): float from L3 (Skv = 2048) 0.865–0.939 of the time (BHSD and BSHD), f16 (BSHD)
+/// 0.957; from DRAM (Skv = 32768) BHSD float 0.96–1.04 (0.997, the median of eleven runs), BSHD float 1.00–1.02,
+/// BSHD f16 and bf16 0.90–0.96. g++ 12 took BHSD float from DRAM 1.01–1.07 and keeps the loop. So do the Q·Kᵀ
+/// steps: their run issued straight-line after the sums took 1.02–1.05 of the time from DRAM and gained nothing from
+/// L3, and spread over the columns, 0.98–1.13 from DRAM (bench/README.md, "2026-12-08, forty-fourth session"). Runs
+/// of another length (a task of more than 4 rows per kv head, rows with gaps, a short last sub-block) keep the loop.
 template <class Tag, class S, int kLocality, Index kDim, int NV>
 inline constexpr bool kStraightRuns = kLocality == 3 && kDim > 0 && Tag::kLanes >= 16 && kSpreadAheadCompiler &&
                                       (NV * static_cast<Index>(sizeof(S)) * Tag::kLanes) % 64 == 0;
@@ -449,6 +455,9 @@ inline void pv_step(const float* p, Index ldp, const S* v, Index ldv, float* o, 
   QKV_UNROLL for (int n = 0; n < NV; ++n) {
     QKV_UNROLL for (int r = 0; r < R; ++r) w[n][r] = set1(Tag(), p[r * ldp + n]);
   }
+  static_assert(
+      !kStraight || (kPaced && kDim > 0 && kDim % L == 0 && NV * L % PrefetchCursor<S>::kElementsPerLine == 0),
+      "qkv: a straight-line run needs a cursor, a compiled-in head_dim and whole lines per column");
   const Index per_column = kPaced && !kStraight ? run.per_column(full / L) : 0;
   for_each_column<kDim, L>(full, [&](Index c) QKV_ALWAYS_INLINE {
     if constexpr (kStraight) {
