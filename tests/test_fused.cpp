@@ -1416,6 +1416,7 @@ TEST(Fused, PacedSubBlockDecodingCallsGiveTheBitsOfOneBlockCall) {
     for (const Index keys : key_counts) {
       for (const Index sub : {Index(4), Index(32)}) {
         for (const Index ld : {D + 5, D}) {
+          if (ld == D && D != 64 && D != 128) continue;  // abutting rows matter where the head_dim is compiled in
           std::vector<float> q(static_cast<std::size_t>(4 * D)), p(static_cast<std::size_t>(4 * keys)),
               o_init(static_cast<std::size_t>(4 * D));
           std::vector<float> k(static_cast<std::size_t>(keys * ld)), v(k.size());
